@@ -1,0 +1,1 @@
+"""mlx-lm glue for melix-fsm: MTP heads, loading, rollback, decode."""

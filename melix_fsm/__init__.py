@@ -1,0 +1,1 @@
+"""melix-fsm: speculative-decoding lifecycle core (no mlx imports)."""
