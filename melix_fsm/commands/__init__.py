@@ -1,0 +1,1 @@
+"""Core subcommands of the melix-fsm CLI (no mlx imports)."""

@@ -1,0 +1,88 @@
+"""The one error tree of melix-fsm.
+
+Every error the package raises on purpose derives from `MelixError`, so a caller
+can catch the whole family with one clause and anything else is a bug.
+
+    MelixError
+    ├── SpecError              a spec file is malformed (names the offending entry)
+    └── LifecycleError         a lifecycle or batch operation was refused
+        ├── IllegalTransition  (sequence, state, event) has no row in the table
+        ├── InvalidEvent       the event is legal here but its payload is not
+        ├── UnknownSequence    the uid is not in the batch (never was, or left)
+        ├── DuplicateSequence  the uid is already in the batch
+        └── BatchShapeError    a filter/extend request that would reorder or lose rows
+
+State on error (as h11 does it): a refused event leaves the machine, and a refused
+batch operation leaves every row, exactly as it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class MelixError(Exception):
+    """Base class of every error melix-fsm raises on purpose."""
+
+
+class SpecError(MelixError):
+    """A spec file is malformed; the message names the offending entry."""
+
+    def __init__(self, path: str, entry: str, problem: str) -> None:
+        self.path = path
+        self.entry = entry
+        self.problem = problem
+        super().__init__(f"{path}: {entry}: {problem}")
+
+
+class LifecycleError(MelixError):
+    """A lifecycle or batch operation was refused; nothing changed."""
+
+
+class IllegalTransition(LifecycleError):
+    """The (state, event) pair has no transition in the lifecycle table."""
+
+    def __init__(self, sequence: Any, state: Any, event: Any) -> None:
+        self.sequence = sequence
+        self.state = state
+        self.event = event
+        super().__init__(
+            f"sequence {sequence!r}: event {_name(event)!r} is illegal in state {_name(state)!r}"
+        )
+
+
+class InvalidEvent(LifecycleError):
+    """The event is legal in this state but its payload is not (e.g. zero drafts)."""
+
+    def __init__(self, sequence: Any, event: Any, detail: str) -> None:
+        self.sequence = sequence
+        self.event = event
+        self.detail = detail
+        super().__init__(f"sequence {sequence!r}: event {_name(event)!r}: {detail}")
+
+
+class UnknownSequence(LifecycleError, KeyError):
+    """The uid is not in the batch: it never joined, or it was filtered out."""
+
+    def __init__(self, uid: Any) -> None:
+        self.uid = uid
+        super().__init__(uid)
+
+    def __str__(self) -> str:  # KeyError would quote the repr only
+        return f"sequence {self.uid!r} is not in the batch"
+
+
+class DuplicateSequence(LifecycleError):
+    """The uid is already in the batch."""
+
+    def __init__(self, uid: Any) -> None:
+        self.uid = uid
+        super().__init__(f"sequence {uid!r} is already in the batch")
+
+
+class BatchShapeError(LifecycleError):
+    """A reshaping request would reorder, duplicate or invent rows."""
+
+
+def _name(value: Any) -> str:
+    return getattr(value, "value", value)
