@@ -1,0 +1,39 @@
+"""Typed errors raised while finding and loading MTP head weights.
+
+Rules:
+- Every failure to produce a usable head is a ``HeadLoadError`` subclass carrying a
+  machine-readable ``reason`` (one of ``REASONS``), so callers can put it in a receipt.
+- These are raised before any decoding starts; nothing falls back silently.
+"""
+
+from __future__ import annotations
+
+REASONS = ("missing_head_weights", "head_shape_mismatch", "unsupported_model")
+
+
+class HeadLoadError(Exception):
+    """Base class: the checkpoint cannot give a usable MTP head."""
+
+    reason: str = "unsupported_model"
+
+    def __init__(self, message: str, *, details: dict | None = None) -> None:
+        super().__init__(message)
+        self.details = dict(details or {})
+
+
+class MissingHeadWeights(HeadLoadError):
+    """The config advertises an MTP head but (some of) its tensors are absent."""
+
+    reason = "missing_head_weights"
+
+
+class HeadShapeMismatch(HeadLoadError):
+    """A head tensor has the wrong shape (corrupt file, or a head for another model)."""
+
+    reason = "head_shape_mismatch"
+
+
+class UnsupportedModel(HeadLoadError):
+    """The model family (or its config) is not one this package knows how to head."""
+
+    reason = "unsupported_model"

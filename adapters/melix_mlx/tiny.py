@@ -1,0 +1,384 @@
+"""Tiny random-weight checkpoints in each family's real Hugging Face layout.
+
+Rules:
+- ``make_tiny(family, out_dir)`` writes ``config.json`` (the family's real keys),
+  ``model.safetensors`` (main AND MTP-head tensors under their upstream HF names, in HF
+  conventions: Qwen3.5 (1+w) norms stored as w, conv1d as [C, 1, K], DeepSeek experts
+  unstacked and ``kv_b_proj`` unsplit) and the shared byte-level tokenizer.
+- ``head_in_sidecar=True`` moves the head tensors to ``mtp.safetensors`` (the layout of
+  some official Qwen3.5 releases; mlx-lm's ``model*.safetensors`` glob never reads it).
+- Weights are seeded and deterministic. Scales are chosen so greedy decoding wanders over
+  many tokens rather than repeating one; special tokens get zero lm_head rows so greedy
+  runs rarely stop early on EOS.
+- DeepSeek-V3 (3 main layers here) keeps its head at ``model.layers.{num_hidden_layers}``
+  but, by default, in ``mtp.safetensors``: mlx-lm's deepseek_v3 ``sanitize`` drops only
+  ``model.layers.61.*`` (hard-coded), so with any other depth a head inside
+  ``model*.safetensors`` makes ``mlx_lm.load`` fail (strict load: unknown parameters).
+  ``head_in_sidecar=None`` (default) therefore means "sidecar only for deepseek_v3 with
+  num_hidden_layers != 61"; pass ``False`` to reproduce that upstream failure.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from .tiny_tokenizer import EOS_TOKEN_ID, VOCAB_SIZE, special_token_ids, write_tokenizer
+
+_BASE_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3_5": {
+        "model_type": "qwen3_5_text",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "full_attention_interval": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "attn_output_gate": True,
+        "hidden_act": "silu",
+        "mamba_ssm_dtype": "float32",
+        "mtp_num_hidden_layers": 1,
+        "mtp_use_dedicated_embeddings": False,
+        "partial_rotary_factor": 0.25,
+        "rope_parameters": {
+            "mrope_interleaved": True,
+            "mrope_section": [1, 1, 0],
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 10000000,
+            "rope_type": "default",
+        },
+        "bos_token_id": EOS_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+    },
+    "deepseek_v3": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 3,
+        "num_nextn_predict_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_shared_experts": 1,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 64,
+        "q_lora_rank": 64,
+        "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 32,
+        "v_head_dim": 32,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "n_group": 1,
+        "topk_group": 1,
+        "moe_layer_freq": 1,
+        "first_k_dense_replace": 1,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": EOS_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+    },
+    "mimo": {
+        "architectures": ["MiMoForCausalLM"],
+        "model_type": "mimo",
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_nextn_predict_layers": 1,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "max_window_layers": 3,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 640000,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": EOS_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+    },
+}
+
+FAMILIES = tuple(_BASE_CONFIGS)
+
+
+class _Init:
+    """Seeded tensor factory; Linear weights ~ N(0, gain^2 / fan_in)."""
+
+    def __init__(self, seed: int, dtype: mx.Dtype) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.dtype = dtype
+
+    def _arr(self, x: np.ndarray) -> mx.array:
+        return mx.array(x.astype(np.float32)).astype(self.dtype)
+
+    def linear(self, out_dim: int, in_dim: int, gain: float = 1.0) -> mx.array:
+        std = gain / math.sqrt(in_dim)
+        return self._arr(self.rng.normal(0.0, std, (out_dim, in_dim)))
+
+    def normal(self, shape: tuple[int, ...], std: float) -> mx.array:
+        return self._arr(self.rng.normal(0.0, std, shape))
+
+    def norm(self, dim: int, one_plus: bool) -> mx.array:
+        # (1+w) norms store w near 0; plain norms store a weight near 1.
+        w = self.rng.normal(0.0, 0.1, (dim,))
+        return self._arr(w if one_plus else 1.0 + w)
+
+
+def _config_for(family: str, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict]:
+    """Return (config.json dict, the language-model settings dict inside it)."""
+    if family not in _BASE_CONFIGS:
+        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
+    text = copy.deepcopy(_BASE_CONFIGS[family])
+    text.update(overrides)
+    if family != "qwen3_5":
+        return text, text
+    n, every = text["num_hidden_layers"], text["full_attention_interval"]
+    text["layer_types"] = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    config = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "language_model_only": True,
+        "tie_word_embeddings": text["tie_word_embeddings"],
+        "text_config": text,
+    }
+    return config, text
+
+
+def _mlp(init: _Init, p: str, d: int, inter: int) -> dict[str, mx.array]:
+    return {
+        f"{p}.gate_proj.weight": init.linear(inter, d),
+        f"{p}.up_proj.weight": init.linear(inter, d),
+        f"{p}.down_proj.weight": init.linear(d, inter),
+    }
+
+
+def _qwen3_5_full_attn(init: _Init, p: str, c: dict) -> dict[str, mx.array]:
+    d, h, kv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    return {
+        f"{p}.q_proj.weight": init.linear(2 * h * hd, d),  # queries and output gate
+        f"{p}.k_proj.weight": init.linear(kv * hd, d),
+        f"{p}.v_proj.weight": init.linear(kv * hd, d),
+        f"{p}.o_proj.weight": init.linear(d, h * hd),
+        f"{p}.q_norm.weight": init.norm(hd, one_plus=True),
+        f"{p}.k_norm.weight": init.norm(hd, one_plus=True),
+    }
+
+
+def _qwen3_5_linear_attn(init: _Init, p: str, c: dict) -> dict[str, mx.array]:
+    d = c["hidden_size"]
+    nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    kd, vd = nk * c["linear_key_head_dim"], nv * c["linear_value_head_dim"]
+    conv_dim, k = 2 * kd + vd, c["linear_conv_kernel_dim"]
+    return {
+        f"{p}.in_proj_qkv.weight": init.linear(conv_dim, d),
+        f"{p}.in_proj_z.weight": init.linear(vd, d),
+        f"{p}.in_proj_b.weight": init.linear(nv, d),
+        f"{p}.in_proj_a.weight": init.linear(nv, d),
+        f"{p}.conv1d.weight": init.normal((conv_dim, 1, k), 1.0 / math.sqrt(k)),  # HF [C,1,K]
+        f"{p}.dt_bias": init.normal((nv,), 0.5) + 1.0,
+        f"{p}.A_log": mx.log(mx.array(init.rng.uniform(1.0, 16.0, (nv,)), dtype=init.dtype)),
+        # the gated norm is a plain weight (not 1+w) in HF as well
+        f"{p}.norm.weight": init.norm(c["linear_value_head_dim"], one_plus=False),
+        f"{p}.out_proj.weight": init.linear(d, vd),
+    }
+
+
+def _qwen3_5_layer(init: _Init, p: str, c: dict, full: bool) -> dict[str, mx.array]:
+    d = c["hidden_size"]
+    w = (
+        _qwen3_5_full_attn(init, f"{p}.self_attn", c)
+        if full
+        else _qwen3_5_linear_attn(init, f"{p}.linear_attn", c)
+    )
+    w.update(_mlp(init, f"{p}.mlp", d, c["intermediate_size"]))
+    w[f"{p}.input_layernorm.weight"] = init.norm(d, one_plus=True)
+    w[f"{p}.post_attention_layernorm.weight"] = init.norm(d, one_plus=True)
+    return w
+
+
+def _qwen3_5_weights(init: _Init, c: dict) -> tuple[dict, dict]:
+    d, v = c["hidden_size"], c["vocab_size"]
+    embed = init.normal((v, d), 1.0)
+    main: dict[str, mx.array] = {"model.language_model.embed_tokens.weight": embed}
+    for i in range(c["num_hidden_layers"]):
+        full = (i + 1) % c["full_attention_interval"] == 0
+        main.update(_qwen3_5_layer(init, f"model.language_model.layers.{i}", c, full))
+    main["model.language_model.norm.weight"] = init.norm(d, one_plus=True)
+    if not c["tie_word_embeddings"]:
+        main["lm_head.weight"] = _lm_head(init, v, d, embed)
+    head = {
+        "mtp.fc.weight": init.linear(d, 2 * d),
+        "mtp.pre_fc_norm_embedding.weight": init.norm(d, one_plus=True),
+        "mtp.pre_fc_norm_hidden.weight": init.norm(d, one_plus=True),
+        "mtp.norm.weight": init.norm(d, one_plus=True),
+    }
+    for j in range(c["mtp_num_hidden_layers"]):
+        head.update(_qwen3_5_layer(init, f"mtp.layers.{j}", c, full=True))
+    return main, head
+
+
+def _deepseek_layer(init: _Init, p: str, c: dict, moe: bool) -> dict[str, mx.array]:
+    d, h = c["hidden_size"], c["num_attention_heads"]
+    qr, kvr = c["q_lora_rank"], c["kv_lora_rank"]
+    nope, rope, vdim = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    a = f"{p}.self_attn"
+    w = {
+        f"{a}.q_a_proj.weight": init.linear(qr, d),
+        f"{a}.q_a_layernorm.weight": init.norm(qr, one_plus=False),
+        f"{a}.q_b_proj.weight": init.linear(h * (nope + rope), qr),
+        f"{a}.kv_a_proj_with_mqa.weight": init.linear(kvr + rope, d),
+        f"{a}.kv_a_layernorm.weight": init.norm(kvr, one_plus=False),
+        f"{a}.kv_b_proj.weight": init.linear(h * (nope + vdim), kvr),  # unsplit, as in HF
+        f"{a}.o_proj.weight": init.linear(d, h * vdim),
+        f"{p}.input_layernorm.weight": init.norm(d, one_plus=False),
+        f"{p}.post_attention_layernorm.weight": init.norm(d, one_plus=False),
+    }
+    if not moe:
+        w.update(_mlp(init, f"{p}.mlp", d, c["intermediate_size"]))
+        return w
+    n_exp, inter = c["n_routed_experts"], c["moe_intermediate_size"]
+    w[f"{p}.mlp.gate.weight"] = init.linear(n_exp, d)
+    w[f"{p}.mlp.gate.e_score_correction_bias"] = mx.zeros((n_exp,), dtype=mx.float32)
+    for e in range(n_exp):  # one tensor per expert, as HF stores them
+        w.update(_mlp(init, f"{p}.mlp.experts.{e}", d, inter))
+    w.update(_mlp(init, f"{p}.mlp.shared_experts", d, inter * c["n_shared_experts"]))
+    return w
+
+
+def _deepseek_weights(init: _Init, c: dict) -> tuple[dict, dict]:
+    d, v, n = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"]
+    embed = init.normal((v, d), 1.0)
+    main: dict[str, mx.array] = {"model.embed_tokens.weight": embed}
+    for i in range(n):
+        moe = i >= c["first_k_dense_replace"] and i % c["moe_layer_freq"] == 0
+        main.update(_deepseek_layer(init, f"model.layers.{i}", c, moe))
+    main["model.norm.weight"] = init.norm(d, one_plus=False)
+    main["lm_head.weight"] = _lm_head(init, v, d, embed)
+    head: dict[str, mx.array] = {}
+    for j in range(c["num_nextn_predict_layers"]):
+        p = f"model.layers.{n + j}"
+        head.update(_deepseek_layer(init, p, c, moe=True))
+        head[f"{p}.embed_tokens.weight"] = embed  # DeepSeek ships copies of the shared ones
+        head[f"{p}.enorm.weight"] = init.norm(d, one_plus=False)
+        head[f"{p}.hnorm.weight"] = init.norm(d, one_plus=False)
+        head[f"{p}.eh_proj.weight"] = init.linear(d, 2 * d)
+        head[f"{p}.shared_head.norm.weight"] = init.norm(d, one_plus=False)
+        head[f"{p}.shared_head.head.weight"] = main["lm_head.weight"]
+    return main, head
+
+
+def _qwen2_layer(init: _Init, p: str, c: dict) -> dict[str, mx.array]:
+    d, h, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    hd = d // h
+    a = f"{p}.self_attn"
+    w = {
+        f"{a}.q_proj.weight": init.linear(h * hd, d),
+        f"{a}.q_proj.bias": init.normal((h * hd,), 0.1),
+        f"{a}.k_proj.weight": init.linear(kv * hd, d),
+        f"{a}.k_proj.bias": init.normal((kv * hd,), 0.1),
+        f"{a}.v_proj.weight": init.linear(kv * hd, d),
+        f"{a}.v_proj.bias": init.normal((kv * hd,), 0.1),
+        f"{a}.o_proj.weight": init.linear(d, h * hd),
+        f"{p}.input_layernorm.weight": init.norm(d, one_plus=False),
+        f"{p}.post_attention_layernorm.weight": init.norm(d, one_plus=False),
+    }
+    w.update(_mlp(init, f"{p}.mlp", d, c["intermediate_size"]))
+    return w
+
+
+def _mimo_weights(init: _Init, c: dict) -> tuple[dict, dict]:
+    d, v = c["hidden_size"], c["vocab_size"]
+    embed = init.normal((v, d), 1.0)
+    main: dict[str, mx.array] = {"model.embed_tokens.weight": embed}
+    for i in range(c["num_hidden_layers"]):
+        main.update(_qwen2_layer(init, f"model.layers.{i}", c))
+    main["model.norm.weight"] = init.norm(d, one_plus=False)
+    if not c["tie_word_embeddings"]:
+        main["lm_head.weight"] = _lm_head(init, v, d, embed)
+    head: dict[str, mx.array] = {}
+    for j in range(c["num_nextn_predict_layers"]):
+        p = f"model.mtp_layers.{j}"
+        head.update(_qwen2_layer(init, p, c))
+        head[f"{p}.token_layernorm.weight"] = init.norm(d, one_plus=False)
+        head[f"{p}.hidden_layernorm.weight"] = init.norm(d, one_plus=False)
+        head[f"{p}.input_proj.weight"] = init.linear(d, 2 * d)
+        head[f"{p}.final_layernorm.weight"] = init.norm(d, one_plus=False)
+    return main, head
+
+
+def _lm_head(init: _Init, vocab: int, dim: int, embed: mx.array) -> mx.array:
+    """Untied output matrix: random (gain 4, so argmax moves every step) minus the
+    normalised input embedding, which discourages the token -> same token fixed points
+    that make random models repeat one token forever."""
+    w = init.linear(vocab, dim, gain=4.0) - embed / math.sqrt(dim)
+    # zero rows for special tokens: greedy runs then rarely stop early on EOS
+    return w.at[mx.array(special_token_ids())].multiply(0.0)
+
+
+_BUILDERS = {"qwen3_5": _qwen3_5_weights, "deepseek_v3": _deepseek_weights, "mimo": _mimo_weights}
+
+
+def make_tiny(
+    family: str,
+    out_dir: str | Path,
+    seed: int = 0,
+    *,
+    head_in_sidecar: bool | None = None,
+    dtype: str = "float32",
+    **overrides: Any,
+) -> Path:
+    """Write a tiny random checkpoint of ``family`` into ``out_dir`` and return the path.
+
+    ``overrides`` replace language-model config keys (``text_config`` for qwen3_5), e.g.
+    ``hidden_size=32`` or ``num_hidden_layers=2``.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config, text = _config_for(family, overrides)
+    text_dtype_key = "dtype" if family == "qwen3_5" else "torch_dtype"
+    text[text_dtype_key] = dtype
+    if head_in_sidecar is None:
+        head_in_sidecar = family == "deepseek_v3" and text["num_hidden_layers"] != 61
+    init = _Init(seed, getattr(mx, dtype))
+    main, head = _BUILDERS[family](init, text)
+
+    meta = {"format": "pt"}
+    if head_in_sidecar:
+        mx.save_safetensors(str(out / "model.safetensors"), main, metadata=meta)
+        mx.save_safetensors(str(out / "mtp.safetensors"), head, metadata=meta)
+    else:
+        mx.save_safetensors(str(out / "model.safetensors"), {**main, **head}, metadata=meta)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(out)
+    return out
