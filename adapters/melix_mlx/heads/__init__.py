@@ -1,0 +1,50 @@
+"""MTP head modules, one per family, and the family -> head-class map.
+
+Head interface (what the decode engine relies on)
+-------------------------------------------------
+``head = HEAD_CLASSES[family].from_model(main_model)`` (``load_with_heads`` does this and
+loads the weights). ``head`` is an ``mlx.nn.Module`` with:
+
+``head(hidden, next_tokens, cache=None, mask=None) -> (logits, head_hidden)``
+    hidden       [B, L, D]  the main model's final POST-norm hidden states (the lm_head
+                            input; ``hidden.forward_with_hidden`` returns them).
+    next_tokens  [B, L]     token t_{i+1} paired with h_i (slot i).
+    logits       [B, L, V]  draft distribution for t_{i+2}.
+    head_hidden  [B, L, D]  what depth k>1 chains: call the head again with
+                            ``(head_hidden, drafted_token)``. Pre- or post-norm per
+                            ``CHAIN_POST_NORM``.
+    cache        ``head.make_cache()``: a list with one mlx-lm ``KVCache`` per head layer
+                 (trimmable with ``cache[0].trim(n)``). Its offset is the RoPE position
+                 of the next slot, so prime it from the prompt's (h_i, t_{i+1}) pairs
+                 starting at slot 0 and keep it in step with accepted tokens.
+    mask         None builds the causal mask over the head cache (mlx-lm rules);
+                 pass an explicit one for padded batches.
+
+Class constants: ``FAMILY``, ``CHAIN_POST_NORM`` (qwen3_5 True, deepseek_v3 False,
+mimo True), ``CONCAT_ORDER`` ("embedding_first" for qwen3_5/deepseek_v3,
+"hidden_first" for mimo), ``NUM_LAYERS`` (layers in the head's cache list: 1).
+
+The embedding and (except DeepSeek's own ``shared_head.head``) the lm_head are the main
+model's modules, held by reference, outside ``head.parameters()``.
+
+Each family module also exposes ``is_head_key(key, config)`` (raw checkpoint key belongs
+to an MTP layer) and ``from_hf(raw, config, layer=0)`` (raw HF tensors -> head parameter
+names, with the family's repairs: qwen3_5 +1 norms, deepseek fp8/expert/kv_b handling).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from . import deepseek_v3, mimo, qwen3_5
+from ._base import MTPHeadBase
+
+FAMILY_MODULES: dict[str, ModuleType] = {
+    "qwen3_5": qwen3_5,
+    "deepseek_v3": deepseek_v3,
+    "mimo": mimo,
+}
+
+HEAD_CLASSES: dict[str, type[MTPHeadBase]] = {name: module.MTPHead for name, module in FAMILY_MODULES.items()}
+
+__all__ = ["FAMILY_MODULES", "HEAD_CLASSES", "MTPHeadBase"]

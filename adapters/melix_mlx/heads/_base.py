@@ -1,0 +1,51 @@
+"""Shared plumbing for the per-family MTP head modules.
+
+Rules:
+- The head owns only its own parameters. The main model's embedding and lm_head are
+  held through a plain (non-Module) holder, so ``head.parameters()``, ``load_weights``
+  and quantization never see or touch the main model's tensors.
+- The head's attention cache is a list with one ``KVCache`` per head layer (trimmable).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+
+
+class _SharedRefs:
+    """Plain holder: attributes that are not arrays or Modules stay out of the tree."""
+
+    def __init__(self, embed: nn.Module, lm_head: Callable[[mx.array], mx.array]) -> None:
+        self.embed = embed
+        self.lm_head = lm_head
+
+
+class MTPHeadBase(nn.Module):
+    """Base for ``MTPHead`` classes. Subclasses set the class constants and layers."""
+
+    FAMILY: ClassVar[str] = ""
+    CHAIN_POST_NORM: ClassVar[bool] = True
+    CONCAT_ORDER: ClassVar[str] = "embedding_first"
+    NUM_LAYERS: ClassVar[int] = 1
+
+    def __init__(self, embed_tokens: nn.Module, lm_head: Callable[[mx.array], mx.array]):
+        super().__init__()
+        self._shared = _SharedRefs(embed_tokens, lm_head)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self._shared.embed(tokens)
+
+    def main_lm_head(self, h: mx.array) -> mx.array:
+        return self._shared.lm_head(h)
+
+    def make_cache(self) -> list[Any]:
+        return [KVCache() for _ in range(self.NUM_LAYERS)]
+
+    @staticmethod
+    def _first(cache: list[Any] | None) -> Any:
+        return cache[0] if cache else None

@@ -1,0 +1,96 @@
+"""Qwen3.5 MTP head: ``fc(cat[norm_e(emb), norm_h(h)])`` -> full-attention layer -> norm.
+
+Rules:
+- Concatenation is embedding first; the chained hidden is the POST-norm output (what
+  upstream's MTP forward returns).
+- HF stores every RMSNorm of the head as w with forward (1+w): ``from_hf`` adds 1 exactly
+  once. Raw keys live under ``mtp.`` (possibly in a ``mtp.safetensors`` sidecar).
+- The layer is mlx-lm's own ``qwen3_5.DecoderLayer`` built as a full-attention layer, so
+  parameter names and numerics match the main model's attention layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.qwen3_5 import DecoderLayer
+
+from ._base import MTPHeadBase
+
+# Raw checkpoints may prefix the head differently depending on who saved them.
+_PREFIXES = ("mtp.", "model.mtp.", "language_model.mtp.", "model.language_model.mtp.")
+_ONE_PLUS_NORMS = (
+    "pre_fc_norm_embedding.weight",
+    "pre_fc_norm_hidden.weight",
+    "norm.weight",
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+)
+
+
+class MTPHead(MTPHeadBase):
+    FAMILY: ClassVar[str] = "qwen3_5"
+    CHAIN_POST_NORM: ClassVar[bool] = True
+    CONCAT_ORDER: ClassVar[str] = "embedding_first"
+
+    def __init__(self, args: Any, embed_tokens: nn.Module, lm_head: Callable[[mx.array], mx.array]) -> None:
+        super().__init__(embed_tokens, lm_head)
+        d, eps = args.hidden_size, args.rms_norm_eps
+        self.pre_fc_norm_embedding = nn.RMSNorm(d, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(d, eps=eps)
+        self.fc = nn.Linear(2 * d, d, bias=False)
+        # layer_idx chosen so that mlx-lm builds a full-attention (not linear) layer
+        self.layers = [DecoderLayer(args, layer_idx=args.full_attention_interval - 1)]
+        self.norm = nn.RMSNorm(d, eps=eps)
+
+    @classmethod
+    def from_model(cls, model: nn.Module, **_: Any) -> MTPHead:
+        from ..hidden import main_parts
+
+        parts = main_parts(model)
+        return cls(parts.args, parts.embed_tokens, parts.lm_head)
+
+    def __call__(
+        self,
+        hidden: mx.array,
+        next_tokens: mx.array,
+        cache: list[Any] | None = None,
+        mask: Any = None,
+    ) -> tuple[mx.array, mx.array]:
+        e = self.pre_fc_norm_embedding(self.embed(next_tokens))
+        h = self.pre_fc_norm_hidden(hidden)
+        x = self.fc(mx.concatenate([e, h], axis=-1))
+        c = self._first(cache)
+        if mask is None:
+            mask = create_attention_mask(x, c)
+        x = self.layers[0](x, mask=mask, cache=c)
+        out = self.norm(x)
+        return self.main_lm_head(out), out
+
+
+def is_head_key(key: str, config: dict[str, Any]) -> bool:
+    return key.startswith(_PREFIXES)
+
+
+def from_hf(raw: dict[str, mx.array], config: dict[str, Any], layer: int = 0) -> dict:
+    """Map raw HF head tensors to ``MTPHead`` parameter names, repairing (1+w) norms."""
+    out: dict[str, mx.array] = {}
+    for key, value in raw.items():
+        if not key.startswith(_PREFIXES):
+            continue
+        name = key[next(len(p) for p in _PREFIXES if key.startswith(p)) :]
+        if name.startswith("layers."):
+            idx, _, rest = name[len("layers.") :].partition(".")
+            if int(idx) != layer:
+                continue  # only one MTP layer is driven per head module
+            name = f"layers.0.{rest}"
+        if value.ndim == 1 and name.endswith(_ONE_PLUS_NORMS):
+            value = value + 1.0
+        out[name] = value
+    return out
