@@ -1,0 +1,323 @@
+"""Load a main model through mlx-lm, then its MTP head from the same checkpoint.
+
+Rules:
+- The main model goes through ``mlx_lm.utils.load_model`` (the family's own ``sanitize``,
+  strict weight load). Head tensors are removed from the weights handed to ``sanitize``
+  first, because mlx-lm's deepseek_v3 only drops ``model.layers.61`` (hard-coded): any
+  other depth with an in-file head would fail its strict load.
+- Head tensors are read straight from every ``*.safetensors`` file in the directory,
+  including a ``mtp.safetensors`` sidecar that mlx-lm's ``model*.safetensors`` glob skips.
+- Two stored formats: raw HF names (family ``from_hf`` mapping: qwen3_5 (1+w) norms get
+  +1, deepseek experts stacked / kv_b split / fp8 dequantised), or our converted format
+  (``melix_mtp.<param>`` keys, config ``melix_mtp.norms_repaired: true``) loaded as is. So
+  the +1 repair happens exactly once whichever directory is loaded.
+- Every failure is a typed ``HeadLoadError`` raised before any decode, and before the main
+  model is read when the head tensors are absent altogether.
+- Quantization: a head stored unquantized stays unquantized even when the main model is
+  quantized (quantizing the head costs acceptance); ``quantize_head=True`` quantizes it
+  after loading. A head stored quantized (``convert(..., quantize_head=True)``) is
+  rebuilt quantized.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.utils import _get_classes, infer_quant_config, load_config, load_model, load_tokenizer
+
+from .errors import HeadShapeMismatch, MissingHeadWeights, UnsupportedModel
+from .families import advertised_head_count, detect_family, text_config
+from .heads import FAMILY_MODULES, HEAD_CLASSES, MTPHeadBase
+
+MELIX_KEY_PREFIX = "melix_mtp."
+MELIX_CONFIG_KEY = "melix_mtp"
+MELIX_FORMAT_VERSION = 1
+SIDECAR_NAME = "mtp.safetensors"
+
+
+@dataclass(frozen=True)
+class HeadInfo:
+    """What was found and done while loading a head (goes into receipts)."""
+
+    family: str
+    model_type: str
+    advertised_layers: int
+    layer_index: int
+    head_format: str  # "hf" (raw upstream names) or "melix" (converted)
+    source_files: tuple[str, ...]
+    sidecar: bool  # some head tensors came from a file mlx-lm's glob skips
+    norms_repaired_on_load: bool  # +1 applied now (qwen3_5 raw HF only)
+    head_dtype: str
+    head_quantized: bool
+    main_quantized: bool
+    own_lm_head: bool
+    chain_post_norm: bool
+    concat_order: str
+    num_params: int
+
+
+def safetensors_keys(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Read a safetensors header only: ``{key: (dtype, shape)}``."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return {k: (v["dtype"], tuple(v["shape"])) for k, v in header.items()}
+
+
+def _head_key_files(path: Path, config: dict[str, Any], family: str) -> dict[str, list[str]]:
+    """Map each safetensors file holding head tensors to those keys."""
+    is_head = FAMILY_MODULES[family].is_head_key
+    tcfg = text_config(config)
+    found: dict[str, list[str]] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        keys = [k for k in safetensors_keys(f) if k.startswith(MELIX_KEY_PREFIX) or is_head(k, tcfg)]
+        if keys:
+            found[f.name] = keys
+    return found
+
+
+def _read_head_weights(
+    path: Path, config: dict[str, Any], family: str, layer: int
+) -> tuple[dict[str, mx.array], str, tuple[str, ...]]:
+    """Return (head parameter tensors, format, source files) or raise MissingHeadWeights."""
+    files = _head_key_files(path, config, family)
+    melix = config.get(MELIX_CONFIG_KEY)
+    want_melix = isinstance(melix, dict) and melix.get("norms_repaired", False)
+    fmt = "melix" if want_melix else "hf"
+    selected: dict[str, list[str]] = {}
+    for name, keys in files.items():
+        keep = [k for k in keys if k.startswith(MELIX_KEY_PREFIX) == (fmt == "melix")]
+        if keep:
+            selected[name] = keep
+    if not selected:
+        where = f"{melix.get('file', SIDECAR_NAME)} (converted format)" if want_melix else "any"
+        raise MissingHeadWeights(
+            f"{path}: config advertises an MTP head but no head tensors were found in "
+            f"{where} *.safetensors file (mlx-lm conversions drop them; convert from the "
+            "original checkpoint with melix_mlx.convert)",
+            details={"path": str(path), "format": fmt},
+        )
+    raw: dict[str, mx.array] = {}
+    for name, keys in selected.items():
+        tensors = mx.load(str(path / name))
+        raw.update({k: tensors[k] for k in keys})
+    if fmt == "melix":
+        weights = {k[len(MELIX_KEY_PREFIX) :]: v for k, v in raw.items()}
+    else:
+        weights = FAMILY_MODULES[family].from_hf(raw, text_config(config), layer=layer)
+        if not weights:
+            raise MissingHeadWeights(
+                f"{path}: no tensors for MTP layer {layer}",
+                details={"path": str(path), "layer": layer},
+            )
+    return weights, fmt, tuple(selected)
+
+
+def _stripping_classes(family: str, config: dict[str, Any]):
+    """``get_model_classes`` for load_model that drops head keys before ``sanitize``."""
+    is_head = FAMILY_MODULES[family].is_head_key
+    tcfg = text_config(config)
+
+    def get_classes(config: dict) -> tuple[Any, Any]:
+        model_class, args_class = _get_classes(config)
+
+        def build(args: Any) -> nn.Module:
+            model = model_class(args)
+            upstream = getattr(model, "sanitize", None)
+
+            def sanitize(weights: dict) -> dict:
+                weights = {k: v for k, v in weights.items() if not is_head(k, tcfg)}
+                return upstream(weights) if upstream is not None else weights
+
+            # an instance attribute shadows the class method for this load only
+            model.sanitize = sanitize
+            return model
+
+        return build, args_class
+
+    return get_classes
+
+
+def load_main(path: str | Path, *, lazy: bool = False) -> tuple[nn.Module, dict[str, Any]]:
+    """Load the main model via mlx-lm's ``load_model`` with head tensors filtered out."""
+    path = Path(path)
+    config = load_config(path)
+    family = detect_family(config)
+    model, config = load_model(path, lazy=lazy, get_model_classes=_stripping_classes(family, config))
+    if "sanitize" in vars(model):
+        del model.sanitize  # back to the class's own method
+    return model, config
+
+
+def _validate(head: nn.Module, weights: dict[str, mx.array], path: Path) -> None:
+    expected = {k: v.shape for k, v in tree_flatten(head.parameters())}
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise MissingHeadWeights(
+            f"{path}: head tensors missing: {missing[:8]}{' ...' if len(missing) > 8 else ''}",
+            details={"missing": missing},
+        )
+    unexpected = sorted(set(weights) - set(expected))
+    wrong = {
+        k: (tuple(weights[k].shape), tuple(s))
+        for k, s in expected.items()
+        if tuple(weights[k].shape) != tuple(s)
+    }
+    if wrong or unexpected:
+        raise HeadShapeMismatch(
+            f"{path}: head tensors do not fit this model's config: "
+            f"shapes (found, expected) {dict(list(wrong.items())[:8])}, "
+            f"unexpected {unexpected[:8]}",
+            details={"wrong_shapes": wrong, "unexpected": unexpected},
+        )
+
+
+def quantize_head_module(head: nn.Module, group_size: int, bits: int) -> None:
+    """Quantize the head's Linear-like layers whose input dim the group size divides."""
+
+    def predicate(_: str, m: nn.Module) -> bool:
+        return hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0
+
+    nn.quantize(head, group_size=group_size, bits=bits, class_predicate=predicate)
+
+
+def build_head(
+    model: nn.Module,
+    path: str | Path,
+    config: dict[str, Any] | None = None,
+    *,
+    layer: int = 0,
+    own_lm_head: bool | None = None,
+    lazy: bool = False,
+) -> tuple[MTPHeadBase, dict[str, Any]]:
+    """Build the head for an already loaded ``model`` from the checkpoint at ``path``.
+
+    Returns ``(head, facts)``; ``facts`` feeds ``HeadInfo``. Raises ``HeadLoadError``s.
+    """
+    path = Path(path)
+    config = load_config(path) if config is None else config
+    family = detect_family(config)
+    advertised = advertised_head_count(config)
+    melix = config.get(MELIX_CONFIG_KEY) or {}
+    if advertised <= 0 and not melix:
+        raise UnsupportedModel(
+            f"{path}: config advertises no MTP head ({family})",
+            details={"family": family},
+        )
+    if layer >= max(advertised, 1):
+        raise UnsupportedModel(f"{path}: MTP layer {layer} not advertised ({advertised})")
+    weights, fmt, files = _read_head_weights(path, config, family, layer)
+
+    has_own = any(k.startswith("shared_head.head.") for k in weights)
+    own = has_own if own_lm_head is None else (own_lm_head and has_own)
+    if not own:
+        weights = {k: v for k, v in weights.items() if not k.startswith("shared_head.head.")}
+    head = HEAD_CLASSES[family].from_model(model, own_lm_head=own)
+
+    stored_quantized = any(k.endswith(".scales") for k in weights)
+    if stored_quantized:
+
+        def predicate(p: str, m: nn.Module) -> Any:
+            if f"{p}.scales" not in weights or not hasattr(m, "to_quantized"):
+                return False
+            return infer_quant_config(p, m, weights)
+
+        nn.quantize(head, class_predicate=predicate)
+
+    _validate(head, weights, path)
+    head.load_weights(list(weights.items()), strict=True)
+    head.eval()
+    if not lazy:
+        mx.eval(head.parameters())
+    facts = {
+        "family": family,
+        "model_type": str(config.get("model_type")),
+        "advertised_layers": advertised,
+        "layer_index": layer,
+        "head_format": fmt,
+        "source_files": files,
+        "sidecar": any(not f.startswith("model") for f in files),
+        "norms_repaired_on_load": family == "qwen3_5" and fmt == "hf",
+        "own_lm_head": own,
+        "stored_quantized": stored_quantized,
+    }
+    return head, facts
+
+
+def _first_float_dtype(head: nn.Module) -> str:
+    for _, v in tree_flatten(head.parameters()):
+        if mx.issubdtype(v.dtype, mx.floating):
+            return str(v.dtype).removeprefix("mlx.core.")
+    return "unknown"
+
+
+def load_with_heads(
+    path: str | Path,
+    *,
+    layer: int = 0,
+    quantize_head: bool = False,
+    q_bits: int | None = None,
+    q_group_size: int | None = None,
+    own_lm_head: bool | None = None,
+    lazy: bool = False,
+    tokenizer_config: dict[str, Any] | None = None,
+) -> tuple[nn.Module, Any, MTPHeadBase, HeadInfo]:
+    """Load ``(model, tokenizer, head, info)`` from a local checkpoint directory.
+
+    ``quantize_head`` quantizes a float-stored head with ``q_bits``/``q_group_size``
+    (default: the main model's quantization, else 4 bits / 64). ``own_lm_head``
+    (deepseek_v3 only) chooses the head's own ``shared_head.head`` (default when stored)
+    or the main lm_head.
+    """
+    path = Path(path)
+    config = load_config(path)
+    family = detect_family(config)
+    if advertised_head_count(config) <= 0 and not config.get(MELIX_CONFIG_KEY):
+        raise UnsupportedModel(f"{path}: config advertises no MTP head ({family})")
+    # fail fast on absent head tensors, before reading the main weights
+    if not _head_key_files(path, config, family):
+        raise MissingHeadWeights(
+            f"{path}: config advertises an MTP head but no *.safetensors file holds it "
+            "(mlx-lm conversions drop the head; convert from the original checkpoint "
+            "with melix_mlx.convert)",
+            details={"path": str(path)},
+        )
+    model, config = load_main(path, lazy=lazy)
+    tokenizer = load_tokenizer(path, tokenizer_config, eos_token_ids=config.get("eos_token_id", None))
+    head, facts = build_head(model, path, config, layer=layer, own_lm_head=own_lm_head, lazy=lazy)
+    main_quant = config.get("quantization") or {}
+    if quantize_head and not facts["stored_quantized"]:
+        quantize_head_module(
+            head,
+            group_size=q_group_size or main_quant.get("group_size", 64),
+            bits=q_bits or main_quant.get("bits", 4),
+        )
+        if not lazy:
+            mx.eval(head.parameters())
+    head_cls = type(head)
+    info = HeadInfo(
+        family=facts["family"],
+        model_type=facts["model_type"],
+        advertised_layers=facts["advertised_layers"],
+        layer_index=layer,
+        head_format=facts["head_format"],
+        source_files=facts["source_files"],
+        sidecar=facts["sidecar"],
+        norms_repaired_on_load=facts["norms_repaired_on_load"],
+        head_dtype=_first_float_dtype(head),
+        head_quantized=facts["stored_quantized"] or quantize_head,
+        main_quantized=bool(main_quant),
+        own_lm_head=facts["own_lm_head"],
+        chain_post_norm=head_cls.CHAIN_POST_NORM,
+        concat_order=head_cls.CONCAT_ORDER,
+        num_params=sum(v.size for _, v in tree_flatten(head.parameters())),
+    )
+    return model, tokenizer, head, info
