@@ -66,6 +66,7 @@ def _rewrite(path: Path, edit) -> None:
     """Apply ``edit(dict)`` to every safetensors file of ``path`` in place."""
     for f in path.glob("*.safetensors"):
         tensors = dict(mx.load(str(f)))
+        mx.eval(tensors)  # mx.load is lazy: read everything before overwriting the file
         edit(tensors)
         if tensors:
             mx.save_safetensors(str(f), tensors)
@@ -292,3 +293,37 @@ def test_quantized_convert_keeps_head_unquantized_by_default(tiny_dirs, tmp_path
     # quantize_head at load time on a float-stored head
     *_, head3, info3 = load_with_heads(out, quantize_head=True, q_group_size=32)
     assert info3.head_quantized and isinstance(head3.input_proj, nn.QuantizedLinear)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_head_prime_all_at_once_equals_step_by_step(loaded_heads, family):
+    # What the engine relies on: priming the head cache over many pairs in one call gives
+    # the same per-slot logits as feeding the pairs one by one (mask and RoPE offsets).
+    model, tok, head, _ = loaded_heads[family]
+    x = mx.array([tok.encode(PROMPT)] * 2)  # batch of 2 exercises B > 1
+    _, hidden = forward_with_hidden(model, x, make_prompt_cache(model))
+    full, _ = head(hidden[:, :-1], x[:, 1:], head.make_cache())
+    cache = head.make_cache()
+    steps = [head(hidden[:, i : i + 1], x[:, i + 1 : i + 2], cache)[0] for i in range(8)]
+    assert mx.allclose(full[:, :8], mx.concatenate(steps, axis=1), atol=1e-4).item()
+
+
+def test_deepseek_fp8_head_tensor_is_dequantized(tiny_dirs, tmp_path):
+    # Released DeepSeek-V3 stores the head layer in fp8 with 128x128 block inverse scales;
+    # mlx-lm's sanitize dequantizes it before dropping it, so the head loader must too.
+    path = _copy(tiny_dirs["deepseek_v3"], tmp_path / "fp8")
+    key = "model.layers.3.eh_proj.weight"
+    original = mx.load(str(path / "mtp.safetensors"))[key]
+    mx.eval(original)
+    scale = 0.01
+
+    def to_fp8(t):
+        if key not in t:
+            return
+        t[key] = mx.to_fp8(t[key] / scale)
+        t[key + "_scale_inv"] = mx.full((1, 1), scale)
+
+    _rewrite(path, to_fp8)
+    *_, head, _ = load_with_heads(path)
+    got = head.eh_proj.weight.astype(mx.float32)
+    assert mx.allclose(got, original, atol=0.1 * float(mx.abs(original).max())).item()
