@@ -327,3 +327,18 @@ def test_deepseek_fp8_head_tensor_is_dequantized(tiny_dirs, tmp_path):
     *_, head, _ = load_with_heads(path)
     got = head.eh_proj.weight.astype(mx.float32)
     assert mx.allclose(got, original, atol=0.1 * float(mx.abs(original).max())).item()
+
+
+def test_tied_qwen3_5_quantized_convert_keeps_identity(tiny_checkpoint, tmp_path):
+    # tied embeddings: lm_head is embed_tokens.as_linear (a QuantizedEmbedding once
+    # quantized); forward_with_hidden must still match the model bitwise.
+    path = tiny_checkpoint("qwen3_5", tie_word_embeddings=True, head_in_sidecar=True)
+    out = convert(path, tmp_path / "tied-q", quantize=True, q_group_size=32)
+    for d in (path, out):
+        model, tok, head, info = load_with_heads(d)
+        x = mx.array([tok.encode(PROMPT)])
+        ref = model(x, cache=make_prompt_cache(model))
+        logits, hidden = forward_with_hidden(model, x, make_prompt_cache(model))
+        assert mx.array_equal(ref, logits).item()
+        assert mx.isfinite(head(hidden[:, :-1], x[:, 1:], head.make_cache())[0]).all().item()
+    assert info.main_quantized and not info.head_quantized
