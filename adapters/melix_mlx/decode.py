@@ -35,6 +35,7 @@ from melix_fsm.lifecycle import SequenceMachine, State
 
 from . import rollback
 from .hidden import forward_with_hidden
+from .prefill import prefill_with_hidden
 from .sampling import (
     SamplingParams,
     accept_greedy,
@@ -174,20 +175,11 @@ class MTPDecoder:
 
     # -- steps -----------------------------------------------------------------------
     def _prefill(self, prompt: mx.array) -> tuple[mx.array, mx.array]:
-        """Feed the prompt as mlx-lm does; return last logits [1, V] and all hiddens."""
-        hiddens = []
-        rest = prompt
-        while rest.size > 1:
-            n = min(self.prefill_step_size, rest.size - 1)
-            chunk = rest[:n]
-            _, h = forward_with_hidden(self.model, chunk[None], self.cache)
-            mx.eval(h, [c.state for c in self.cache])
-            hiddens.append(h[0])
-            self._history.extend(chunk.tolist())
-            rest = rest[n:]
-        logits, h = forward_with_hidden(self.model, rest[None], self.cache)
-        hiddens.append(h[0])
-        return self._target(logits[0], rest.tolist()), mx.concatenate(hiddens, axis=0)
+        """Feed the prompt; return processed log-probs [1, V] of its last position and all hiddens."""
+        logits, hiddens = prefill_with_hidden(self.model, prompt, self.cache, self.prefill_step_size)
+        tokens = prompt.tolist()
+        self._history.extend(tokens[:-1])
+        return self._target(logits, tokens[-1:]), hiddens
 
     def _plain_step(self, y: int) -> tuple[int, mx.array]:
         logits, h = forward_with_hidden(self.model, mx.array([[y]]), self.cache)
