@@ -5,6 +5,8 @@ can catch the whole family with one clause and anything else is a bug.
 
     MelixError
     ├── SpecError              a spec file is malformed (names the offending entry)
+    ├── ConfigError            a speculative setting or profile is unusable (usage error)
+    ├── CheckpointError        a checkpoint directory cannot be read (names file and problem)
     └── LifecycleError         a lifecycle or batch operation was refused
         ├── IllegalTransition  (sequence, state, event) has no row in the table
         ├── InvalidEvent       the event is legal here but its payload is not
@@ -33,6 +35,27 @@ class SpecError(MelixError):
         self.entry = entry
         self.problem = problem
         super().__init__(f"{path}: {entry}: {problem}")
+
+
+class ConfigError(MelixError):
+    """A speculative setting (flag, keyword argument or profile entry) is unusable."""
+
+    def __init__(self, setting: str, problem: str) -> None:
+        self.setting = setting
+        self.problem = problem
+        super().__init__(f"{setting}: {problem}")
+
+
+class CheckpointError(MelixError):
+    """A checkpoint file cannot be read or parsed; nothing was loaded.
+
+    `path` names the file (or directory), `problem` says what is wrong with it.
+    """
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path = path
+        self.problem = problem
+        super().__init__(f"{path}: {problem}")
 
 
 class LifecycleError(MelixError):

@@ -1,0 +1,30 @@
+"""The typed refusal vocabulary shared by the registry, the rollback matrix and receipts.
+
+Rules of this module:
+- A refusal is one of these names, never free text; the free-text detail goes into the
+  receipt's `message`. Spec files (spec/families.toml, spec/rollback.toml) may only name
+  members of this enum, and the loader refuses anything else.
+- Adding a reason is adding a member here; removing or renaming one is a receipt schema
+  change (bump the schema id in melix_fsm.receipt).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class RefusalReason(enum.StrEnum):
+    """Why speculation was not admitted."""
+
+    missing_head_weights = "missing_head_weights"  # config advertises heads the weights lack
+    unsupported_model = "unsupported_model"  # family has no head we run (or no head at all)
+    unvalidated_family = "unvalidated_family"  # borrowed head layout not yet validated
+    unvalidated_sidecar = "unvalidated_sidecar"  # assistant / MTP-only checkpoint offered
+    unsupported_cache_sharing = "unsupported_cache_sharing"  # a cache kind has no exact rollback
+    unsupported_quantization = "unsupported_quantization"  # quantized head we cannot run
+    device_policy_disabled = "device_policy_disabled"  # the measured device policy said off
+    invalid_config = "invalid_config"  # config.json values are out of range or mistyped
+    depth_exceeds_heads = "depth_exceeds_heads"  # k > heads and the family cannot chain
+    vocab_mismatch = "vocab_mismatch"  # draft and target do not share a vocabulary
+    operator_disabled = "operator_disabled"  # method none or device policy force_off
+    unreadable_checkpoint = "unreadable_checkpoint"  # a file is missing, unreadable or corrupt
