@@ -1,0 +1,198 @@
+"""Timed forwards of a loaded model and its MTP head, for melix_fsm.calibration.
+
+Rules of this module:
+- Each timed callable runs exactly one forward of the shape the decode loop runs at batch
+  size B (B identical rows): a 1-token decode step, a (k+1)-token verify, or one head
+  draft step (head call on one slot, then argmax). It forces its outputs with mx.eval
+  and puts the caches back where they were (KV trimmed, recurrent layers restored from a
+  checkpoint), so every run sees the same cache length.
+- Caches are prefilled with a short prompt first (and the head's cache primed from its
+  (hidden, next token) pairs), so attention runs over a realistic, non-empty cache.
+- Calibrate before serving, never beside a running prefill: samples taken while another
+  forward competes poison the measured policy (shared/DESIGN.md, "Field lessons").
+- Under mx.distributed every rank runs the same forwards (tensor-parallel collectives
+  need all ranks), then `agree` replaces every rank's figures by rank 0's, so all ranks
+  take the same on/off decision and verify shapes never diverge.
+- Every failure while building or timing comes back as a typed `CalibrationError`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from melix_fsm.calibration import DEFAULT_BUDGET_S, DEFAULT_RUNS, DEFAULT_WARMUP, measure
+from melix_fsm.policy import Timings, TimingTable
+from melix_fsm.policy_errors import CalibrationError
+
+from . import rollback
+from .hidden import forward_with_hidden
+
+Forward = Callable[[], None]
+PROMPT_LEN = 16
+
+
+def build_forwards(
+    model: nn.Module,
+    head: Any,
+    *,
+    batch_size: int = 1,
+    k: int = 1,
+    prompt_len: int = PROMPT_LEN,
+    cache: list[Any] | None = None,
+    head_cache: list[Any] | None = None,
+) -> tuple[Forward, Forward, Forward]:
+    """(fn_1, fn_verify, fn_head) for `model` and `head` at batch size B and depth k.
+
+    `cache` / `head_cache`: empty caches to use (fresh ones by default; tests pass their
+    own to check that the lengths stay fixed).
+    """
+    B = batch_size
+    # Small ids only: every vocabulary has them, and the values do not change the cost.
+    prompt = mx.broadcast_to(mx.arange(1, prompt_len + 1)[None], (B, prompt_len))
+    cache = make_prompt_cache(model) if cache is None else cache
+    _, hidden = forward_with_hidden(model, prompt, cache)
+    mx.eval(hidden, [c.state for c in rollback.leaves(cache)])
+    checkpoint = rollback.checkpoint(cache)
+
+    step_tokens = mx.ones((B, 1), dtype=mx.int32)
+    verify_tokens = mx.ones((B, k + 1), dtype=mx.int32)
+
+    def fn_1() -> None:
+        logits, h = forward_with_hidden(model, step_tokens, cache)
+        mx.eval(logits, h)
+        rollback.restore(cache, checkpoint)
+
+    def fn_verify() -> None:
+        logits, h = forward_with_hidden(model, verify_tokens, cache)
+        mx.eval(logits, h)
+        rollback.restore(cache, checkpoint)
+
+    head_cache = head.make_cache() if head_cache is None else head_cache
+    _, primed = head(hidden[:, :-1], prompt[:, 1:], head_cache)  # prime like the decoder does
+    mx.eval(primed)
+    last_hidden = hidden[:, -1:]
+
+    def fn_head() -> None:
+        logits, head_hidden = head(last_hidden, step_tokens, head_cache)
+        mx.eval(mx.argmax(logits[:, -1], axis=-1), head_hidden)
+        rollback.trim_all(head_cache, 1)
+
+    return fn_1, fn_verify, fn_head
+
+
+def calibrate(
+    model: nn.Module,
+    head: Any,
+    *,
+    batch_sizes: Sequence[int] = (1,),
+    k: int = 1,
+    runs: int = DEFAULT_RUNS,
+    warmup: int = DEFAULT_WARMUP,
+    budget_s: float = DEFAULT_BUDGET_S,
+    timer: Callable[[], float] = time.perf_counter,
+    group: Any = None,
+) -> TimingTable | CalibrationError:
+    """Measure at each batch size; a table of rank 0's figures, or the typed failure.
+
+    `budget_s` bounds the whole calibration: each batch size gets what the previous ones
+    left. `group`: an mx.distributed group to agree over (None: this process alone).
+    """
+    entries: list[Timings] = []
+    deadline = timer() + budget_s
+    failure: CalibrationError | None = None
+    try:
+        for B in batch_sizes:
+            left = deadline - timer()
+            if left <= 0:
+                raise CalibrationError("measurement_timeout", f"budget {budget_s:g} s spent before B={B}")
+            try:
+                fns = build_forwards(model, head, batch_size=B, k=k)
+            except Exception as exc:  # a model that cannot even prefill is a failed measurement
+                raise CalibrationError(
+                    "measurement_failed", f"building forwards at B={B}: {type(exc).__name__}: {exc}"
+                ) from exc
+            note = "mtp_head"
+            entries.append(
+                measure(
+                    *fns, k=k, batch_size=B, runs=runs, warmup=warmup, timer=timer, budget_s=left, note=note
+                )
+            )
+    except CalibrationError as exc:
+        failure = exc
+    result = TimingTable.of(*entries) if failure is None else failure
+    return agree(result, group, batch_sizes=batch_sizes, k=k, runs=runs)
+
+
+_REASON_CODES = {0: None, 1: "measurement_failed", 2: "measurement_timeout", 3: "measurement_poisoned"}
+
+
+def agree(
+    result: TimingTable | CalibrationError,
+    group: Any = None,
+    *,
+    batch_sizes: Sequence[int] = (1,),
+    k: int = 1,
+    runs: int = DEFAULT_RUNS,
+) -> TimingTable | CalibrationError:
+    """Give every rank rank 0's result (identity in a single process).
+
+    Every rank must call this with the same batch sizes, k and runs, whatever its own
+    result: the collectives below run unconditionally on every rank, so no rank can
+    leave the group waiting. Status and figures travel as float32 vectors summed over
+    the group with zeros off rank 0.
+    """
+    if group is None or group.size() == 1:
+        return result
+    rank0 = group.rank() == 0
+    if isinstance(result, TimingTable):
+        code = 0
+        by_b = {t.batch_size: t for t in result.entries}
+        fields = [v for b in batch_sizes for v in _figures(by_b.get(b))]
+    else:
+        code = next(c for c, r in _REASON_CODES.items() if r == result.reason)
+        fields = [0.0] * (4 * len(batch_sizes))
+    status = mx.distributed.all_sum(mx.array([float(code) if rank0 else 0.0]), group=group)
+    vec = mx.array([v if rank0 else 0.0 for v in fields], dtype=mx.float32)
+    summed = mx.distributed.all_sum(vec, group=group).tolist()
+    code0 = int(status.item())
+    if code0:
+        detail = result.detail if rank0 and isinstance(result, CalibrationError) else "decided by rank 0"
+        return CalibrationError(_REASON_CODES[code0], detail)  # type: ignore[arg-type]
+    entries = [
+        Timings(
+            t_1=summed[4 * i],
+            t_verify=summed[4 * i + 1],
+            t_head=summed[4 * i + 2],
+            spread=summed[4 * i + 3],
+            k=k,
+            batch_size=b,
+            runs=runs,
+            note="rank 0",
+        )
+        for i, b in enumerate(batch_sizes)
+    ]
+    return TimingTable.of(*entries)
+
+
+def _figures(t: Timings | None) -> tuple[float, float, float, float]:
+    return (0.0, 0.0, 0.0, 0.0) if t is None else (t.t_1, t.t_verify, t.t_head, t.spread)
+
+
+def model_dtype(model: nn.Module) -> str:
+    """The floating dtype the model computes in (quantized weights report their scales')."""
+    from mlx.utils import tree_flatten
+
+    for _, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            return str(value.dtype).removeprefix("mlx.core.")
+    return "unknown"
+
+
+def device_kind() -> str:
+    return "cpu" if mx.default_device().type == mx.cpu else "gpu"
