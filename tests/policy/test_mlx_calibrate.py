@@ -1,0 +1,130 @@
+"""The mlx glue and the `calibrate` CLI on a tiny checkpoint (skipped without mlx).
+
+Timings here are real but irrelevant: assertions check shapes, cache bookkeeping, the
+plumbing into `decide`, and exit statuses, never which verdict a shared CPU produces.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+from melix_fsm.cli import main  # noqa: E402
+from melix_fsm.policy import TimingTable  # noqa: E402
+from melix_fsm.policy_errors import CalibrationError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from melix_mlx.tiny import make_tiny
+
+    return make_tiny("qwen3_5", tmp_path_factory.mktemp("calib") / "qwen3_5")
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny: Path):
+    from melix_mlx.loading import load_with_heads
+
+    return load_with_heads(tiny)
+
+
+def _lengths(cache) -> list:
+    from melix_mlx import rollback
+
+    return [c.offset if hasattr(c, "offset") else [id(a) for a in c.cache] for c in rollback.leaves(cache)]
+
+
+def test_timed_forwards_leave_cache_lengths_fixed(loaded):
+    from melix_mlx.calibrate import build_forwards
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _, head, _ = loaded
+    cache, head_cache = make_prompt_cache(model), head.make_cache()
+    fns = build_forwards(model, head, batch_size=2, k=2, cache=cache, head_cache=head_cache)
+    before, head_before = _lengths(cache), head_cache[0].offset
+    assert head_before == 15  # primed from the 16-token prompt's (hidden, next) pairs
+    for _ in range(3):
+        for fn in fns:
+            fn()
+    assert _lengths(cache) == before and head_cache[0].offset == head_before
+
+
+class _Ticker:
+    """Every read advances 1 ms: each forward then takes exactly 1 ms."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1e-3
+        return self.now
+
+
+def test_calibrate_builds_a_table(loaded):
+    from melix_mlx.calibrate import calibrate
+
+    model, _, head, _ = loaded
+    table = calibrate(model, head, batch_sizes=(1, 2), k=1, runs=2, warmup=1, timer=_Ticker())
+    assert isinstance(table, TimingTable)
+    assert [t.batch_size for t in table.entries] == [1, 2]
+    assert all(t.t_1 == pytest.approx(1e-3) and t.k == 1 and t.runs == 2 for t in table.entries)
+
+
+def test_calibrate_budget_is_a_typed_timeout(loaded):
+    from melix_mlx.calibrate import calibrate
+
+    model, _, head, _ = loaded
+    result = calibrate(model, head, batch_sizes=(1,), k=1, runs=50, warmup=0, budget_s=0.01, timer=_Ticker())
+    assert isinstance(result, CalibrationError) and result.reason == "measurement_timeout"
+
+
+def test_agree_is_identity_in_one_process():
+    from melix_mlx.calibrate import agree
+
+    class Solo:
+        def size(self) -> int:
+            return 1
+
+    failure = CalibrationError("measurement_failed")
+    assert agree(failure) is failure and agree(failure, Solo()) is failure
+
+
+def test_cli_json(tiny: Path, capsysbinary):
+    status = main(
+        ["calibrate", "--model", str(tiny), "--batch-size", "1", "2", "--runs", "2", "--warmup", "1"]
+        + ["--max-spread", "100", "--json"]
+    )
+    out = json.loads(capsysbinary.readouterr().out)
+    assert status == 0
+    assert out["family"] == "qwen3_5" and out["policy"] == "auto"
+    assert [d["batch_size"] for d in out["decisions"]] == [1, 2]
+    d = out["decision"]
+    assert d["hardware_gate"] in ("admitted", "disabled") and d["hardware_policy"] == "auto"
+    assert d["t_1"] > 0 and d["predicted_speedup"] > 0 and d["prior"]["name"] == "qwen3_5"
+    assert d["hardware"]["platform"] in ("linux_cpu", "apple_gpu", "apple_cpu", "cuda", "other")
+
+
+def test_cli_text_and_override(tiny: Path, capsys):
+    status = main(["calibrate", "--model", str(tiny), "--runs", "2", "--max-spread", "100"])
+    status_off = main(
+        ["calibrate", "--model", str(tiny), "--runs", "2", "--max-spread", "100"]
+        + ["--device-policy", "force_off"]
+    )
+    out = capsys.readouterr().out
+    assert status == status_off == 0
+    assert "t_verify ms" in out and "disabled (operator_forced_off)" in out
+
+
+def test_cli_refusals(tiny: Path, tmp_path: Path, capsys):
+    from melix_mlx.tiny import make_tiny
+
+    assert main(["calibrate", "--model", str(tmp_path / "absent")]) == 2
+    headless = make_tiny("qwen3_5", tmp_path / "headless", head_in_sidecar=True)
+    (headless / "mtp.safetensors").unlink()
+    assert main(["calibrate", "--model", str(headless)]) == 3
+    assert "missing_head_weights" in capsys.readouterr().err
