@@ -1,0 +1,142 @@
+"""The registry spec files load, cover what DESIGN.md names, and refuse malformed entries.
+
+Each malformed case edits a deep copy of the real parsed spec so it breaks one rule.
+"""
+
+from __future__ import annotations
+
+import copy
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from melix_fsm.errors import SpecError
+from melix_fsm.reasons import RefusalReason
+from melix_fsm.registry import Support, load_registry, parse_families, parse_rollback, registry
+from melix_fsm.spec import spec_dir
+
+FAMILIES = tomllib.loads((spec_dir() / "families.toml").read_text(encoding="utf-8"))
+ROLLBACK = tomllib.loads((spec_dir() / "rollback.toml").read_text(encoding="utf-8"))
+HEADS_DIR = Path(__file__).resolve().parents[2] / "adapters" / "melix_mlx" / "heads"
+
+RUNNABLE = {"qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe", "mimo"}
+REFUSED = {"glm4_moe_lite", "bailing_moe_v3", "ernie4_5_moe", "exaone_moe", "nemotron_h"}
+
+
+def test_runnable_and_refused_families_are_declared() -> None:
+    reg = registry()
+    for name in RUNNABLE:
+        assert reg.families[name].support is Support.mtp
+    for name in REFUSED:
+        fam = reg.families[name]
+        assert fam.support is Support.refused
+        assert fam.refusal is RefusalReason.unsupported_model and name in fam.message
+
+
+def test_head_modules_exist_in_the_adapters() -> None:
+    for fam in registry().families.values():
+        if fam.head_module is not None:
+            assert (HEADS_DIR / f"{fam.head_module}.py").is_file(), fam.name
+
+
+def test_borrowed_layouts_are_marked_unvalidated() -> None:
+    reg = registry()
+    for name in ("qwen3_5_moe", "qwen3_next", "glm4_moe"):
+        fam = reg.families[name]
+        assert fam.layout_of is not None and not fam.validated
+
+
+def test_rollback_matrix_covers_every_cell() -> None:
+    reg = registry()
+    for kind in reg.kinds:
+        for q in (False, True):
+            for c in (False, True):
+                cell = reg.rollback(kind, q, c)
+                assert (cell.strategy is None) != (cell.refusal is None)
+    assert reg.rollback("arrays", False, False).strategy == "snapshot_restore_replay"
+    assert reg.rollback("rotating", True, False).refusal is RefusalReason.unsupported_cache_sharing
+
+
+FAMILY_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
+    ("no schema", lambda d: d.pop("schema"), "schema"),
+    ("no families", lambda d: d.pop("families"), "families"),
+    ("unknown key", lambda d: d["families"]["mimo"].update(colour="red"), "families.mimo"),
+    ("bad support", lambda d: d["families"]["mimo"].update(support="maybe"), "families.mimo"),
+    ("no head module", lambda d: d["families"]["mimo"].pop("head_module"), "families.mimo.head_module"),
+    ("no weights", lambda d: d["families"]["mimo"].pop("weights"), "families.mimo.weights"),
+    (
+        "bad template",
+        lambda d: d["families"]["mimo"]["weights"].update(layer="model.mtp.{k}."),
+        "families.mimo.weights.layer",
+    ),
+    (
+        "layer template without layer_count_keys",
+        lambda d: d["families"]["deepseek_v3"].update(layer_count_keys=[]),
+        "families.deepseek_v3.layer_count_keys",
+    ),
+    ("duplicate model_type", lambda d: d["families"]["llama"].update(model_types=["mimo"]), "families.llama"),
+    ("unknown cache kind", lambda d: d["families"]["mimo"].update(cache_kinds=["paged"]), "families.mimo"),
+    (
+        "refused without message",
+        lambda d: d["families"]["nemotron_h"].pop("message"),
+        "families.nemotron_h",
+    ),
+    (
+        "refusal not a reason",
+        lambda d: d["families"]["nemotron_h"].update(refusal="nope"),
+        "families.nemotron_h",
+    ),
+    (
+        "layout_of unknown",
+        lambda d: d["families"]["glm4_moe"].update(layout_of="gpt2"),
+        "families.glm4_moe.layout_of",
+    ),
+    (
+        "layout_of other module",
+        lambda d: d["families"]["glm4_moe"].update(head_module="mimo"),
+        "families.glm4_moe.head_module",
+    ),
+    ("multi-line doc", lambda d: d["families"]["mimo"].update(doc="a\nb"), "families.mimo.doc"),
+    ("no_mtp with head", lambda d: d["families"]["llama"].update(head_module="qwen3_5"), "families.llama"),
+]
+
+
+@pytest.mark.parametrize("edit,entry", [(e, n) for _, e, n in FAMILY_CASES], ids=[c[0] for c in FAMILY_CASES])
+def test_malformed_family_entry_names_it(edit: Callable[[dict[str, Any]], None], entry: str) -> None:
+    data = copy.deepcopy(FAMILIES)
+    edit(data)
+    kinds = dict.fromkeys(ROLLBACK["kinds"], "doc")
+    with pytest.raises(SpecError) as info:
+        parse_families(data, kinds, "families.toml")
+    assert info.value.entry.startswith(entry), info.value
+
+
+ROLLBACK_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
+    ("missing cell", lambda d: d["cells"].pop(0), "kinds.kv"),
+    ("duplicate cell", lambda d: d["cells"].append(copy.deepcopy(d["cells"][0])), "cells[5]"),
+    ("both strategy and refusal", lambda d: d["cells"][0].update(refusal="invalid_config"), "cells[0]"),
+    ("unknown strategy", lambda d: d["cells"][0].update(strategy="pray"), "cells[0].strategy"),
+    ("unknown kind", lambda d: d["cells"][0].update(kind="paged"), "cells[0].kind"),
+    ("refusal not a reason", lambda d: d["cells"][4].update(refusal="nope"), "cells[4].refusal"),
+    ("bad flag", lambda d: d["cells"][0].update(quantized_kv="yes"), "cells[0].quantized_kv"),
+    ("unused strategy", lambda d: d["strategies"].update(spare={"doc": "x"}), "strategies.spare"),
+]
+
+
+@pytest.mark.parametrize("edit,entry", [(e, n) for _, e, n in ROLLBACK_CASES], ids=[c[0] for c in ROLLBACK_CASES])
+def test_malformed_rollback_cell_names_it(edit: Callable[[dict[str, Any]], None], entry: str) -> None:
+    data = copy.deepcopy(ROLLBACK)
+    edit(data)
+    with pytest.raises(SpecError) as info:
+        parse_rollback(data, "rollback.toml")
+    assert info.value.entry == entry, info.value
+
+
+def test_unreadable_registry_file_is_a_spec_error(tmp_path: Path) -> None:
+    bad = tmp_path / "families.toml"
+    bad.write_text("families = [")
+    with pytest.raises(SpecError):
+        load_registry(families_path=bad)
