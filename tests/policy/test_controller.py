@@ -158,7 +158,10 @@ def test_switches_are_bounded_for_any_inputs(steps):
     bound = len(steps) // ctrl.config.min_dwell + 1
     assert switches(ctrl) <= bound
     assert ctrl.counters.probes <= len(steps) // ctrl.config.probe_after + 1
-    assert lifecycle_switches == switches(ctrl) + 2 * ctrl.counters.probes - ctrl.counters.probes_passed
+    c = ctrl.counters
+    lifecycle_suspends = c.suspend_decisions + c.probes_failed
+    lifecycle_resumes = c.resume_decisions - c.probes_passed + c.probes
+    assert lifecycle_switches == lifecycle_suspends + lifecycle_resumes
 
 
 # Nominal cycle cost 2.0 with E = 2 (r = 0.5): predicted speedup 1.0, mid-band.
