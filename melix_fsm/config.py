@@ -79,8 +79,17 @@ def _enum(setting: str, value: Any, kind: type[enum.StrEnum]) -> Any:
         raise ConfigError(setting, f"{value!r} is not one of {choices}") from None
 
 
-def _check(setting: str, value: Any) -> Any:
-    """Validate one setting's value; return it normalised."""
+def _check(setting: str, value: Any, label: str | None = None) -> Any:
+    """Validate one setting's value; return it normalised. `label` names it in errors."""
+    try:
+        return _check_value(setting, value)
+    except ConfigError as exc:
+        if label is None:
+            raise
+        raise ConfigError(label, exc.problem) from None
+
+
+def _check_value(setting: str, value: Any) -> Any:
     if setting == "method":
         return _enum(setting, value, Method)
     if setting == "device_policy":
@@ -134,7 +143,7 @@ def load_profile(path: str | Path) -> dict[str, Any]:
     for key, value in doc.items():
         if key not in SETTINGS:
             raise ConfigError(f"{where}: {key}", f"unknown setting; known settings: {', '.join(SETTINGS)}")
-        settings[key] = _check(f"{where}: {key}", value)
+        settings[key] = _check(key, value, f"{where}: {key}")
     draft = settings.get("draft_model")
     if draft is not None and not Path(draft).is_absolute():
         settings["draft_model"] = str(path.parent / draft)

@@ -106,7 +106,12 @@ FAMILY_KEYS: dict[str, tuple[dict[str, Any], list[str], list[str]]] = {
         _QWEN_HEAD,
     ),
     "deepseek_v3": (
-        {"model_type": "deepseek_v3", "num_hidden_layers": 3, "num_nextn_predict_layers": 1, "vocab_size": 27},
+        {
+            "model_type": "deepseek_v3",
+            "num_hidden_layers": 3,
+            "num_nextn_predict_layers": 1,
+            "vocab_size": 27,
+        },
         _PLAIN_MAIN,
         _ds_head(3),
     ),

@@ -42,7 +42,10 @@ def test_own_layout_families_are_admitted(fakes: Fakes, family: str, layout: str
 def test_family_facts_come_from_the_registry(fakes: Fakes) -> None:
     qwen = resolve(fakes.make("qwen3_5"))
     assert qwen.concat == "embedding_first" and qwen.norm_repair == "plus_one" and qwen.chain == "post_norm"
-    assert [(c.kind, c.strategy) for c in qwen.caches] == [("kv", "trim"), ("arrays", "snapshot_restore_replay")]
+    assert [(c.kind, c.strategy) for c in qwen.caches] == [
+        ("kv", "trim"),
+        ("arrays", "snapshot_restore_replay"),
+    ]
     mimo = resolve(fakes.make("mimo"))
     assert mimo.concat == "hidden_first" and mimo.norm_repair == "none"
     ds = resolve(fakes.make("deepseek_v3"))
@@ -70,7 +73,9 @@ def test_mlx_community_conversion_without_heads_is_refused(fakes: Fakes, family:
 
 def test_partially_missing_head_names_the_missing_prefix(fakes: Fakes) -> None:
     path = fakes.make("deepseek_v3")
-    write_safetensors(path / "model.safetensors", ["model.embed_tokens.weight", "model.layers.3.enorm.weight"])
+    write_safetensors(
+        path / "model.safetensors", ["model.embed_tokens.weight", "model.layers.3.enorm.weight"]
+    )
     r = resolve(path)
     assert r.refusal_reason is RefusalReason.missing_head_weights
     assert "model.layers.3.hnorm." in r.missing_weights and r.weight_count == 1
@@ -90,9 +95,13 @@ def test_melix_entry_naming_a_missing_file_is_unreadable(fakes: Fakes) -> None:
     assert r.refusal_reason is RefusalReason.unreadable_checkpoint and "gone.safetensors" in r.message
 
 
-@pytest.mark.parametrize("family", ["glm4_moe_lite", "bailing_moe_v3", "ernie4_5_moe", "exaone_moe", "nemotron_h"])
+@pytest.mark.parametrize(
+    "family", ["glm4_moe_lite", "bailing_moe_v3", "ernie4_5_moe", "exaone_moe", "nemotron_h"]
+)
 def test_design_families_we_do_not_run_are_refused_by_name(fakes: Fakes, family: str) -> None:
-    path = fakes.make("llama", config={"model_type": family, "num_hidden_layers": 1, "num_nextn_predict_layers": 1})
+    path = fakes.make(
+        "llama", config={"model_type": family, "num_hidden_layers": 1, "num_nextn_predict_layers": 1}
+    )
     r = resolve(path)
     assert r.refusal_reason is RefusalReason.unsupported_model and r.family == family
     assert family in r.message and "not in the family registry" not in r.message
@@ -131,7 +140,9 @@ def test_head_count_nested_under_text_config(fakes: Fakes) -> None:
     config = json.loads(json.dumps(fakes_config("qwen3_5")))
     config["text_config"]["mtp_num_hidden_layers"] = -3
     r = resolve(fakes.make("qwen3_5", config=config))
-    assert r.refusal_reason is RefusalReason.invalid_config and "text_config.mtp_num_hidden_layers" in r.message
+    assert (
+        r.refusal_reason is RefusalReason.invalid_config and "text_config.mtp_num_hidden_layers" in r.message
+    )
 
 
 def fakes_config(family: str) -> dict:
@@ -194,7 +205,9 @@ def fakes_heads(family: str) -> list[str]:
 
 
 @pytest.mark.parametrize("method,policy", [("none", None), ("mtp", "force_off")])
-def test_operator_disabled_is_legacy_only_and_still_reports(fakes: Fakes, method: str, policy: str | None) -> None:
+def test_operator_disabled_is_legacy_only_and_still_reports(
+    fakes: Fakes, method: str, policy: str | None
+) -> None:
     r = resolve(fakes.make("mimo", head=False), speculative_config(method=method, device_policy=policy))
     assert r.mode is Mode.legacy_only and r.refusal_reason is RefusalReason.operator_disabled
     assert r.resolved_method is Method.none and r.lifecycle_state == "refused" and r.effective_depth == 0

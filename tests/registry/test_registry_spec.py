@@ -126,7 +126,9 @@ ROLLBACK_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
 ]
 
 
-@pytest.mark.parametrize("edit,entry", [(e, n) for _, e, n in ROLLBACK_CASES], ids=[c[0] for c in ROLLBACK_CASES])
+@pytest.mark.parametrize(
+    "edit,entry", [(e, n) for _, e, n in ROLLBACK_CASES], ids=[c[0] for c in ROLLBACK_CASES]
+)
 def test_malformed_rollback_cell_names_it(edit: Callable[[dict[str, Any]], None], entry: str) -> None:
     data = copy.deepcopy(ROLLBACK)
     edit(data)
