@@ -133,7 +133,7 @@ def mtp_generate_step(
     yield from decoder.generate(prompt, max_tokens)
 
 
-def _encode(tokenizer: TokenizerWrapper, prompt: str | mx.array | list[int]) -> mx.array:
+def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | mx.array | list[int]) -> mx.array:
     """The prompt as mlx-lm's `stream_generate` encodes it."""
     if isinstance(prompt, mx.array):
         return prompt
@@ -173,7 +173,7 @@ def mtp_stream_generate(
     _check_options(kw)
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    prompt = _encode(tokenizer, prompt)
+    prompt = encode_prompt(tokenizer, prompt)
     detokenizer = tokenizer.detokenizer
     eos = set(tokenizer.eos_token_ids)
     matcher = StopSequences([list(s) for s in stop_sequences] if stop_sequences else None).matcher()

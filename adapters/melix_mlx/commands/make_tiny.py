@@ -1,0 +1,46 @@
+"""`melix-fsm make-tiny FAMILY OUT_DIR`: write a tiny random checkpoint in a family's HF layout.
+
+Rules of this module:
+- A thin front for `melix_mlx.tiny.make_tiny` (seeded, deterministic weights, MTP head
+  included, byte-level tokenizer); prints the output directory.
+- Exit status: 0 written, 2 usage error (unknown family, OUT_DIR not writable).
+- The family list is repeated here so `register` does not import mlx; `run` checks it
+  against `melix_mlx.tiny.FAMILIES`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+FAMILIES = ("qwen3_5", "deepseek_v3", "mimo")
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "make-tiny",
+        help="write a tiny random checkpoint (with MTP head) in a family's HF layout",
+        description="Write a tiny random-weight checkpoint of FAMILY into OUT_DIR.",
+    )
+    parser.add_argument("family", choices=FAMILIES, metavar="FAMILY", help=", ".join(FAMILIES))
+    parser.add_argument("out_dir", metavar="OUT_DIR")
+    parser.add_argument("--seed", type=int, default=0, metavar="S")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from melix_mlx.tiny import FAMILIES as BUILT
+    from melix_mlx.tiny import make_tiny
+
+    if args.family not in BUILT:  # the two lists drifted apart
+        print(f"melix-fsm make-tiny: error: unknown family {args.family!r}", file=sys.stderr)
+        return 2
+    try:
+        out = make_tiny(args.family, args.out_dir, seed=args.seed, dtype=args.dtype)
+    except OSError as exc:
+        print(f"melix-fsm make-tiny: error: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
