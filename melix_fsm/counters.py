@@ -29,7 +29,7 @@ class Counters(msgspec.Struct, kw_only=True):
     suspensions: int = 0
     resumptions: int = 0
     faults: int = 0
-    emitted: int = 0  # tokens emitted in total
+    emitted: int = 0  # tokens emitted by decode steps (the prefill's first token is not one)
     # position p counts the cycles whose draft p was proposed / accepted
     position_proposed: list[int] = msgspec.field(default_factory=list)
     position_accepted: list[int] = msgspec.field(default_factory=list)

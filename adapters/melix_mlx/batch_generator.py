@@ -15,9 +15,13 @@ Rules of this module:
   one ragged replay. Rows that do not speculate (refused, suspended, faulted) ride in the
   same verify forward as plain decode: their draft slots are padding, rolled back.
 - Rollback is per row (melix_mlx.batch_cache): no row's rollback touches another row.
-- Lifecycle: every draft, verify, verified, plain step, fault and finish is applied to the
-  Batch; `last_events` holds what each row went through in the latest step (the
-  event-reporting contract of the conformance kit).
+- Lifecycle: every admit/refuse, draft, verify, verified, plain step, suspend/resume,
+  fault and finish is applied to the Batch; `last_report` (melix_fsm.report.StepReport)
+  holds what each row went through in the latest `next()`: the event-reporting contract
+  the conformance kit checks.
+- Device policy: an optional `ActivationController` (melix_fsm.policy) is fed every step's
+  batch size and verify outcomes; its suspend / resume actions become lifecycle events
+  for every row at a cycle boundary. Without one, speculation stays on.
 - Faults: an exception in the head or verify forward faults the rows that were
   speculating; caches are restored and they continue as plain decode. No token is lost.
 """
@@ -46,6 +50,8 @@ from mlx_lm.sample_utils import greedy_sampler
 from melix_fsm import lifecycle as lc
 from melix_fsm.batch import Batch, Row
 from melix_fsm.lifecycle import Signal, State
+from melix_fsm.policy import Action, ActivationController
+from melix_fsm.report import RowReport, StepReport
 
 from . import rollback
 from .batch_cache import arrays_checkpoint, drop_row_suffixes, ragged_forward, rollback_rows
@@ -146,6 +152,7 @@ class MTPBatchGenerator:
         max_kv_size: int | None = None,
         stream: Any = None,
         refusal: str | None = None,
+        controller: ActivationController | None = None,
     ) -> None:
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
@@ -175,7 +182,14 @@ class MTPBatchGenerator:
         self.target_forwards = 0
         self.replay_forwards = 0
         self.head_forwards = 0
-        self.last_events: dict[int, list[Signal]] = {}
+        self.controller = controller
+        self.last_report = StepReport()
+        self._events: dict[Any, list[Signal]] = {}
+        self._emitted: dict[Any, list[int]] = {}
+        self._joined: list[Any] = []
+        self._left: list[Any] = []
+        self._first_logprobs: dict[int, mx.array] = {}
+        self._retired_counters: dict[Any, Any] = {}
 
     # -- mlx-lm surface --------------------------------------------------------------
     @property
@@ -284,15 +298,65 @@ class MTPBatchGenerator:
 
     def next(self) -> tuple[list[PromptProcessingBatch.Response], list[MTPResponse]]:
         with mx.stream(self._stream):
+            stepped = self.batch.uids
+            self._events, self._emitted, self._joined, self._left = {}, {}, [], []
+            self._retired_counters = {}  # counters of rows leaving in this call, for the report
             generation: list[MTPResponse] = []
             if len(self.batch):
                 tic = time.perf_counter()
                 generation = self._step()
+                self._apply_policy()
                 self._counters.decode_time += time.perf_counter() - tic
                 self._counters.generation_tokens += len(generation)
                 self._counters.generation_steps += 1
             prompt_responses = self._admit(generation)
+            self.last_report = StepReport(
+                rows=[
+                    RowReport(
+                        uid=uid,
+                        events=self._events.get(uid, []),
+                        emitted=self._emitted.get(uid, []),
+                        counters=self._counters_of(uid),
+                    )
+                    for uid in stepped + self._joined
+                ],
+                joined=list(self._joined),
+                left=list(self._left),
+                order=self.batch.uids,
+            )
             return prompt_responses, generation
+
+    def _record(self, uid: Any, signal: Signal) -> None:
+        self._events.setdefault(uid, []).append(signal)
+
+    def _counters_of(self, uid: Any) -> Any:
+        if uid in self.batch:
+            return self.batch.row(uid).counters
+        return self._retired_counters.get(uid)
+
+    def _apply_policy(self) -> None:
+        """Feed the controller this step's outcomes; turn its action into lifecycle events."""
+        if self.controller is None or not len(self.batch):
+            return
+        accepted = proposed = 0
+        for signals in self._events.values():
+            for signal in signals:
+                if signal.event is lc.Event("draft"):
+                    proposed += signal.drafts
+                elif signal.event is lc.Event("verified"):
+                    accepted += signal.accepted
+        action = self.controller.update(len(self.batch), accepted, proposed)
+        if action is Action.keep:
+            return
+        reason = self.controller.events[-1].reason if self.controller.events else action.value
+        if action is Action.suspend:
+            uids = self.batch.suspend(reason=str(reason))
+            signal = Signal(event=lc.SUSPEND.event, reason=str(reason))
+        else:
+            uids = self.batch.resume(reason=str(reason))
+            signal = Signal(event=lc.RESUME.event, reason=str(reason))
+        for uid in uids:
+            self._record(uid, signal)
 
     def next_generated(self) -> list[MTPResponse]:
         while True:
@@ -314,7 +378,12 @@ class MTPBatchGenerator:
             request = self._queue.popleft()
             row, cache, head_cache = self._prefill(request)
             joining.extend([request.uid], payloads=[row])
-            joining.resolve({request.uid: lc.REFUSE if row.refusal else lc.ADMIT})
+            resolution = (
+                lc.ADMIT if row.refusal is None else Signal(event=lc.REFUSE.event, reason=row.refusal)
+            )
+            joining.resolve({request.uid: resolution})
+            self._record(request.uid, resolution)
+            self._joined.append(request.uid)
             caches.append(cache)
             head_caches.append(head_cache)
             self._counters.prompt_tokens += len(request.prompt)
@@ -353,8 +422,6 @@ class MTPBatchGenerator:
         )
         logprobs = self._process(state, logits, fed=[], upto=1)
         state.y = int(state.sampler(logprobs[0:1]).item())
-        if not hasattr(self, "_first_logprobs"):
-            self._first_logprobs: dict[int, mx.array] = {}
         self._first_logprobs[request.uid] = logprobs[0]
         state.refusal = self.refusal or (
             None if state.params is not None else "unknown sampler: its distribution cannot be verified"
@@ -394,7 +461,6 @@ class MTPBatchGenerator:
         for i in spec:
             remaining = states[i].max_tokens - states[i].num_generated
             k_rows[i] = max(1, min(states[i].k, remaining - 1))
-        events: dict[Any, list[Signal]] = {row.uid: [] for row in rows}
         drafts: list[list[int]] = [[] for _ in rows]
         qs: list[mx.array | None] = [None] * len(rows)
         K = max(k_rows) if spec else 0
@@ -402,14 +468,14 @@ class MTPBatchGenerator:
             try:
                 drafts, qs = self._draft(rows, states, spec, k_rows, K)
             except Exception as exc:  # the head failed: those rows continue plainly
-                self._fault_rows([rows[i].uid for i in spec], exc, events)
+                self._fault_rows([rows[i].uid for i in spec], exc)
                 spec, K, k_rows = [], 0, [0] * len(rows)
             else:
                 draft_events = {rows[i].uid: lc.draft(k_rows[i]) for i in spec}
                 self.batch.step(draft_events)
-                for i in spec:
-                    events[rows[i].uid].append(draft_events[rows[i].uid])
-        return self._verify(rows, states, spec, k_rows, K, drafts, qs, events)
+                for uid, signal in draft_events.items():
+                    self._record(uid, signal)
+        return self._verify(rows, states, spec, k_rows, K, drafts, qs)
 
     def _draft(
         self, rows: tuple[Row, ...], states: list[RowState], spec: list[int], k_rows: list[int], K: int
@@ -472,7 +538,6 @@ class MTPBatchGenerator:
         K: int,
         drafts: list[list[int]],
         qs: list[mx.array | None],
-        events: dict[Any, list[Signal]],
     ) -> list[MTPResponse]:
         B = len(rows)
         spec_set = set(spec)
@@ -482,7 +547,7 @@ class MTPBatchGenerator:
         if spec:
             self.batch.step({rows[i].uid: lc.VERIFY for i in spec})
             for i in spec:
-                events[rows[i].uid].append(lc.VERIFY)
+                self._record(rows[i].uid, lc.VERIFY)
         try:
             logits, hidden = forward_with_hidden(self.model, inputs, self.cache)
             self.target_forwards += 1
@@ -495,7 +560,7 @@ class MTPBatchGenerator:
             rollback_rows(self.cache, checkpoint, K + 1, [0] * B)  # undo the whole forward
             if not spec:
                 raise  # a plain forward failing is not a speculative fault
-            self._fault_rows([rows[i].uid for i in spec], exc, events)
+            self._fault_rows([rows[i].uid for i in spec], exc)
             return []
         keep = [a + 1 for a, _, _ in outcomes]
         if rollback_rows(self.cache, checkpoint, K + 1, keep):
@@ -517,7 +582,7 @@ class MTPBatchGenerator:
         for i in range(B):
             uid, state = rows[i].uid, states[i]
             a, bonus, logprobs = outcomes[i]
-            events[uid].append(step_events[uid])
+            self._record(uid, step_events[uid])
             state.context.extend(fed[i][: a + 1])
             if rows[i].state not in _HEAD_DEAD:
                 state.queue(hidden[i, : a + 1], [*drafts[i][:a], bonus])
@@ -528,7 +593,6 @@ class MTPBatchGenerator:
                 if self._emit(uid, state, token, lp, from_draft, out):
                     finished.append(uid)
                     break
-        self.last_events = events
         if finished:
             self._finish(finished, out)
         return out
@@ -560,9 +624,10 @@ class MTPBatchGenerator:
         if state.matcher.advance(token):
             reason = "stop"
         out.append(MTPResponse(uid, token, logprobs, reason, None, None, from_draft))
+        self._emitted.setdefault(uid, []).append(token)
         return reason
 
-    def _fault_rows(self, uids: list[Any], exc: BaseException, events: dict) -> None:
+    def _fault_rows(self, uids: list[Any], exc: BaseException) -> None:
         message = f"{type(exc).__name__}: {exc}"
         signal = Signal(event=lc.FAULT.event, reason=message)
         self.batch.step({uid: signal for uid in uids})
@@ -570,8 +635,7 @@ class MTPBatchGenerator:
             state: RowState = self.batch.row(uid).payload
             state.fault = message
             state.pending_hidden, state.pending_tokens = None, []
-            events[uid].append(signal)
-        self.last_events = events
+            self._record(uid, signal)
 
     def _finish(self, uids: list[Any], out: list[MTPResponse]) -> None:
         done = set(uids)
@@ -580,6 +644,10 @@ class MTPBatchGenerator:
             if row.uid in done:
                 by_uid[row.uid] = ([c.extract(i) for c in self.cache], list(row.payload.context))
         self.batch.finish(uids)
+        for uid in uids:
+            self._record(uid, lc.FINISH)
+            self._retired_counters[uid] = self.batch.row(uid).counters
+        self._left.extend(uids)
         for response in out:
             if response.uid in done and response.finish_reason is not None:
                 response.prompt_cache, response.all_tokens = by_uid[response.uid]
