@@ -8,6 +8,7 @@ its head weights present.
 
 from __future__ import annotations
 
+import copy
 import json
 import struct
 import tempfile
@@ -64,13 +65,31 @@ configs = st.fixed_dictionaries(
         "sliding_window": st.integers(min_value=1, max_value=4096) | st.none(),
         "quantization": st.just({"bits": 4, "group_size": 64}),
         "architectures": st.lists(st.sampled_from(["X", "Qwen3_5MTPModel", "LlamaForCausalLM"]), max_size=2),
-        "melix_mtp": st.fixed_dictionaries(
-            {}, optional={"file": st.sampled_from(["mtp.safetensors", "../x", 3])}
-        ),
     },
 )
+
+# A converted checkpoint's record, rarely (it names a file that usually does not exist).
+melix = st.sampled_from([None] * 6 + [{"file": "mtp.safetensors"}, {"file": "../x"}, {"file": 3}, {}])
 key_lists = st.lists(st.sampled_from(HEAD_KEYS) | st.text(min_size=1, max_size=12), max_size=12, unique=True)
 weight_maps = st.lists(key_lists, min_size=0, max_size=3)  # one list per shard
+
+
+@st.composite
+def plausible(draw: st.DrawFn) -> tuple[dict, list[list[str]]]:
+    """A real family's config and keys with a few settings overridden and keys dropped."""
+    family = draw(st.sampled_from(sorted(FAMILY_KEYS)))
+    base, main, head = FAMILY_KEYS[family]
+    config = copy.deepcopy(base)
+    overrides = draw(configs)
+    for key in draw(st.lists(st.sampled_from(sorted(overrides)), unique=True)) if overrides else []:
+        config[key] = overrides[key]
+    keys = [k for k in main + head if draw(st.integers(0, 9))]  # drop about one key in ten
+    split = draw(st.integers(0, len(keys)))
+    shards = [keys[:split], keys[split:]] if draw(st.booleans()) else [keys]
+    return config, shards
+
+
+cases = st.one_of(plausible(), st.tuples(configs, weight_maps))
 header_bytes = st.one_of(
     st.binary(max_size=32),
     st.builds(lambda n, b: struct.pack("<Q", n) + b, st.integers(0, 2**64 - 1), st.binary(max_size=24)),
@@ -99,10 +118,17 @@ def _check(receipt: Any, config: SpeculativeConfig) -> None:
         assert receipt.refusal_reason is RefusalReason.operator_disabled
 
 
-@given(config=configs, shards=weight_maps, spec=speculative, context=contexts, index=st.booleans())
+@given(case=cases, melix_record=melix, spec=speculative, context=contexts, index=st.booleans())
 def test_config_and_weight_map_fuzz(
-    config: dict, shards: list[list[str]], spec: SpeculativeConfig, context: ServingContext, index: bool
+    case: tuple[dict, list[list[str]]],
+    melix_record: dict | None,
+    spec: SpeculativeConfig,
+    context: ServingContext,
+    index: bool,
 ) -> None:
+    config, shards = case
+    if melix_record is not None:
+        config = {**config, "melix_mtp": melix_record}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         (root / "config.json").write_text(json.dumps(config))
@@ -133,11 +159,11 @@ def test_raw_bytes_fuzz(config_raw: bytes, header: bytes) -> None:
         _check(resolve(root, spec), spec)
 
 
-@given(target=configs, draft=configs, same_tokenizer=st.booleans())
-def test_draft_model_fuzz(target: dict, draft: dict, same_tokenizer: bool) -> None:
+@given(target=plausible() | configs.map(lambda c: (c, [])), draft=plausible(), same_tokenizer=st.booleans())
+def test_draft_model_fuzz(target: tuple, draft: tuple, same_tokenizer: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         dirs = []
-        for name, cfg in (("t", target), ("d", draft)):
+        for name, (cfg, _) in (("t", target), ("d", draft)):
             path = Path(tmp) / name
             path.mkdir()
             (path / "config.json").write_text(json.dumps(cfg))
