@@ -67,6 +67,16 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     device_policy: DevicePolicy = DevicePolicy.auto
     sources: Sources = Sources()
 
+    def __post_init__(self) -> None:
+        # Built directly (not through speculative_config) the values are still checked,
+        # and strings become enum members, so no unchecked config reaches `resolve`.
+        for setting in SETTINGS:
+            value = getattr(self, setting)
+            if value is not None or setting != "draft_model":
+                msgspec.structs.force_setattr(self, setting, _check(setting, value))
+        if (self.method is Method.draft_model) != (self.draft_model is not None):
+            raise ConfigError("draft_model", "is required with, and only with, method = draft_model")
+
 
 SETTINGS: tuple[str, ...] = ("method", "num_draft_tokens", "draft_model", "device_policy")
 

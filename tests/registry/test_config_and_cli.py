@@ -183,3 +183,10 @@ def test_schema_cli_prints_the_schema(capsys: pytest.CaptureFixture[str]) -> Non
     status, out, _ = _cli(capsys, "--schema")
     assert status == EXIT_OK and out == schema_json()
     assert json.loads(out)["$id"] == "melix-fsm/receipt/1"
+
+
+def test_direct_construction_is_checked_too() -> None:
+    assert SpeculativeConfig(method="none", device_policy="force_on").method is Method.none  # type: ignore[arg-type]
+    for kwargs in ({"num_draft_tokens": 0}, {"method": "draft_model"}, {"device_policy": "x"}):
+        with pytest.raises(ConfigError):
+            SpeculativeConfig(**kwargs)  # type: ignore[arg-type]
