@@ -1,0 +1,85 @@
+"""`melix-fsm diagram`: write or check the diagrams derived from the spec.
+
+Rules of this module:
+- Rendering lives in melix_fsm.diagrams; this module only parses arguments, writes files
+  and reports. Importing it is cheap (no statemachine, no mlx).
+- `--check` writes nothing: it renders the byte-stable files (mermaid, markdown) and
+  compares them with those in --out. Exit status: 0 fresh, 1 stale or missing (each
+  listed on stderr), 2 usage error. SVG is never checked (Graphviz output varies).
+- Without Graphviz `dot`, `--format svg|all` skips the SVG with a note on stderr; that is
+  not an error, so the command works on machines without Graphviz.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_STALE = 1
+
+
+def _default_out() -> Path:
+    from ..spec import spec_dir
+
+    return spec_dir() / "diagrams"
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "diagram",
+        help="write (or --check) the lifecycle and batch diagrams in spec/diagrams/",
+        description="Render spec/lifecycle.toml and spec/batch.toml as Mermaid, markdown and SVG.",
+    )
+    parser.add_argument(
+        "--format",
+        choices=("mermaid", "md", "svg", "all"),
+        default="all",
+        help="which files to write (default: all; svg needs Graphviz dot)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="output directory (default: the spec's diagrams/)"
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 listing the mermaid/markdown files that are stale",
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import diagrams
+
+    out: Path = args.out if args.out is not None else _default_out()
+    names = diagrams.FORMATS[args.format]
+    if args.check:
+        stale = []
+        for name, fresh in diagrams.render_text(names).items():
+            path = out / name
+            if not path.is_file() or path.read_bytes() != fresh:
+                stale.append(path)
+        for path in stale:
+            print(f"stale: {path}", file=sys.stderr)
+        if stale:
+            print("run `melix-fsm diagram` to regenerate", file=sys.stderr)
+            return EXIT_STALE
+        print(f"diagrams in {out} are fresh")
+        return 0
+
+    out.mkdir(parents=True, exist_ok=True)
+    files = diagrams.render_text(names)
+    if diagrams.LIFECYCLE_SVG in names:
+        svg = diagrams.render_svg()
+        if svg is None:
+            print("note: Graphviz `dot` not found; skipping lifecycle.svg", file=sys.stderr)
+        else:
+            files[diagrams.LIFECYCLE_SVG] = svg
+    for name, data in files.items():
+        path = out / name
+        # Leave unchanged files alone, so their mtimes (and make-style rebuilds) stay quiet.
+        if not path.is_file() or path.read_bytes() != data:
+            path.write_bytes(data)
+        print(path)
+    return 0

@@ -1,0 +1,79 @@
+"""The committed diagrams in spec/diagrams/ are fresh, stable and derived from the spec.
+
+Rules of this file:
+- `melix-fsm diagram --check` must pass on the source tree: a spec edit without
+  regenerating the diagrams fails CI here.
+- Writing goes to tmp_path only (--out); nothing here touches spec/diagrams/.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from melix_fsm import diagrams
+from melix_fsm.cli import main
+from melix_fsm.lifecycle import SPEC
+from melix_fsm.spec import spec_dir
+
+DIAGRAMS = spec_dir() / "diagrams"
+
+
+def test_committed_diagrams_are_fresh(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["diagram", "--check"]) == 0, capsys.readouterr().err
+
+
+def test_write_then_check(tmp_path: Path) -> None:
+    assert main(["diagram", "--format", "all", "--out", str(tmp_path)]) == 0
+    for name in diagrams.TEXT_RENDERERS:
+        assert (tmp_path / name).read_bytes() == (DIAGRAMS / name).read_bytes()
+    assert main(["diagram", "--check", "--out", str(tmp_path)]) == 0
+
+
+def test_modified_copy_is_stale(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["diagram", "--out", str(tmp_path)]) == 0
+    md = tmp_path / diagrams.LIFECYCLE_MD
+    md.write_bytes(md.read_bytes().replace(b"rolled_back", b"rolled_forward", 1))
+    (tmp_path / diagrams.BATCH_MD).unlink()
+    capsys.readouterr()
+    assert main(["diagram", "--check", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert str(md) in err and diagrams.BATCH_MD in err
+    assert diagrams.LIFECYCLE_MMD not in err  # the untouched file is not reported
+    # --format narrows the check
+    assert main(["diagram", "--check", "--format", "mermaid", "--out", str(tmp_path)]) == 0
+
+
+def test_rendering_is_byte_stable() -> None:
+    first = diagrams.render_text()
+    second = diagrams.render_text()
+    assert first == second
+    for name, data in first.items():
+        text = data.decode("utf-8")
+        assert text.endswith("\n") and not text.endswith("\n\n"), name
+        assert "\r" not in text and " 0x" not in text, name
+
+
+def test_diagram_covers_every_transition() -> None:
+    mmd = diagrams.lifecycle_mermaid()
+    lines = mmd.splitlines()
+    for t in SPEC.transitions:
+        label = f"{t.event} [{t.guard_label}]" if t.guard else t.event
+        edge = f"    {t.source} --> {t.target} : "
+        assert any(line.startswith(edge) and label in line for line in lines), t
+    assert f"[*] --> {SPEC.initial}" in mmd
+    md = diagrams.lifecycle_markdown()
+    for name, state in SPEC.states.items():
+        assert f"`{name}`" in md and state.doc in md
+    for doc in SPEC.events.values():
+        assert doc in md
+
+
+def test_svg_only_with_graphviz(tmp_path: Path) -> None:
+    assert main(["diagram", "--format", "svg", "--out", str(tmp_path)]) == 0
+    svg = tmp_path / diagrams.LIFECYCLE_SVG
+    if diagrams.render_svg() is None:
+        assert not svg.exists()
+    else:
+        assert b"<svg" in svg.read_bytes()
