@@ -510,10 +510,10 @@ class MTPBatchGenerator:
                 logits, step_hidden = self.head(step_hidden, tokens, self.head_cache)
                 self.head_forwards += 1
                 step_logits = logits[:, 0]
-            chosen = self._draft_tokens(step_logits, states, spec, qs)
-            for i in spec:
-                if j < k_rows[i]:
-                    drafts[i].append(chosen[i])
+            drafting = [i for i in spec if j < k_rows[i]]
+            chosen = self._draft_tokens(step_logits, states, drafting, qs)
+            for i in drafting:
+                drafts[i].append(chosen[i])
         q_arrays = [mx.concatenate(q, axis=0) if q else None for q in qs]
         return drafts, q_arrays
 
