@@ -1,0 +1,815 @@
+"""Train ``stdlib-tiny``: a small DeepSeek-V3 checkpoint with a trained native MTP head.
+
+The project's embedded default model (README main command, benchmarks). Everything is
+rebuilt from text present on every machine: the running interpreter's own standard library.
+
+Rules this script keeps:
+
+* Data: the top-level ``*.py`` files of ``sysconfig.get_paths()['stdlib']`` in sorted order,
+  minus machine-specific ``_sysconfigdata*``; every ``EVAL_EVERY``-th file (index ``% EVAL_EVERY
+  == EVAL_OFFSET``) is held out for evaluation and never seen by the tokenizer or the model.
+  The exact file list, sizes and hashes go into ``training_report.json``, so a rebuild on
+  another Python version is visibly a different data set.
+* Deterministic: fixed file order, ``--seed`` drives ``mx.random`` (init) and a numpy
+  generator (batches); the tokenizer trainer runs single-threaded. Same machine, same BLAS,
+  same seed -> same bytes.
+* The main model is ``mlx_lm.models.deepseek_v3.Model`` itself, so the trained forward is the
+  one inference runs. Saved weights use Hugging Face DeepSeek-V3 names (the inverse of
+  mlx-lm's ``sanitize``: ``kv_b_proj`` re-joined from ``embed_q``/``unembed_out``, experts
+  unstacked).
+* The MTP head follows DeepSeek-V3: ``x = eh_proj(cat[enorm(embed(t_{i+1})), hnorm(h_i)])``
+  (embedding first), one decoder layer (MLA; MoE because its index ``num_hidden_layers`` is
+  ``>= first_k_dense_replace``), ``logits = shared_head.head(shared_head.norm(x))``. The head
+  shares the main ``embed_tokens`` and ``lm_head`` (frozen while it trains); like the public
+  DeepSeek-V3 checkpoint, copies are stored under the head as ``embed_tokens`` and
+  ``shared_head.head``. It is trained by self-distillation against a frozen main model.
+* Head tensors live in ``mtp.safetensors`` under ``model.layers.{num_hidden_layers}.*``;
+  ``model.safetensors`` holds the main model only. Why: mlx-lm 0.32's deepseek_v3
+  ``sanitize`` drops only the literal prefix ``model.layers.61``, so a head at any other index
+  inside ``model*.safetensors`` makes the strict ``mlx_lm.load`` fail. ``mtp.safetensors`` is
+  outside mlx-lm's ``model*.safetensors`` glob; ``model.safetensors.index.json`` maps every
+  tensor (main and head) to its file, as Hugging Face sharded checkpoints do.
+* OpenBLAS: mlx's CPU wheel ships reference BLAS (~8x slower here). When Debian's OpenBLAS
+  exists and is not preloaded, the script re-executes itself with ``LD_PRELOAD`` (disable with
+  ``--no-openblas``). Both paths work; the report records which BLAS ran.
+
+Usage: ``python scripts/train_checkpoint.py --out DIR [--seed S] [--steps N] [--head-steps N]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import sysconfig
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "adapters/melix_mlx/assets/stdlib-tiny"
+EOS = "<|endoftext|>"
+EVAL_EVERY = 10
+EVAL_OFFSET = 3
+
+
+def _maybe_reexec_with_openblas(argv: list[str], disabled: bool) -> None:
+    """Re-run this process with OpenBLAS preloaded (must happen at process start)."""
+    preload = os.environ.get("LD_PRELOAD", "")
+    if disabled or "libopenblas" in preload or not os.path.exists(OPENBLAS):
+        return
+    if os.environ.get("MELIX_TRAIN_REEXEC") == "1":  # guard against an exec loop
+        return
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = f"{OPENBLAS}:{preload}" if preload else OPENBLAS
+    env["MELIX_TRAIN_REEXEC"] = "1"
+    print(f"[train] re-executing with LD_PRELOAD={OPENBLAS}", flush=True)
+    os.execve(sys.executable, [sys.executable, *argv], env)
+
+
+# Heavy imports after the optional re-exec decision is cheap to take; they are module level
+# so the helpers below stay importable by tests.
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import mlx.optimizers as optim  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+from mlx_lm.models import deepseek_v3 as dsv3  # noqa: E402
+from mlx_lm.models.base import create_attention_mask  # noqa: E402
+from mlx_lm.models.cache import KVCache, make_prompt_cache  # noqa: E402
+
+# --------------------------------------------------------------------------------------
+# Model configuration (Hugging Face config.json fields; ModelArgs ignores the extra ones)
+# --------------------------------------------------------------------------------------
+
+
+def model_config(vocab_size: int, eos_id: int) -> dict[str, Any]:
+    """The checkpoint's config.json. Dense main layers; the MTP layer (index 2) is MoE."""
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": vocab_size,
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_nextn_predict_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        # q_lora_rank null -> plain q_proj (as DeepSeek-V2-Lite); MLA KV compression kept.
+        "q_lora_rank": None,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        # MoE only where the layer index >= first_k_dense_replace: i.e. the MTP layer.
+        "first_k_dense_replace": 2,
+        "moe_layer_freq": 1,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+
+
+# --------------------------------------------------------------------------------------
+# Training-time MTP head (DeepSeek-V3 layout)
+# --------------------------------------------------------------------------------------
+
+
+class SharedHeadNorm(nn.Module):
+    """``shared_head``: its ``norm`` is the head's own; ``head`` is the main lm_head."""
+
+    def __init__(self, dims: int, eps: float) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(dims, eps=eps)
+
+
+class MTPHead(dsv3.DeepseekV3DecoderLayer):
+    """One DeepSeek-V3 MTP module. Subclassing the decoder layer keeps its parameter names
+    (``self_attn.*``, ``mlp.*``, ``input_layernorm``...) exactly those of a main layer."""
+
+    def __init__(self, args: dsv3.ModelArgs) -> None:
+        super().__init__(args, layer_idx=args.num_hidden_layers)
+        dims = args.hidden_size
+        self.enorm = nn.RMSNorm(dims, eps=args.rms_norm_eps)
+        self.hnorm = nn.RMSNorm(dims, eps=args.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * dims, dims, bias=False)
+        self.shared_head = SharedHeadNorm(dims, args.rms_norm_eps)
+
+    def hidden(
+        self, h: mx.array, tok_emb: mx.array, cache: KVCache | None = None
+    ) -> mx.array:
+        """Pre-norm output of the head for pairs (h_i, embed(t_{i+1}))."""
+        x = self.eh_proj(mx.concatenate([self.enorm(tok_emb), self.hnorm(h)], axis=-1))
+        mask = create_attention_mask(x, cache, return_array=True)
+        return dsv3.DeepseekV3DecoderLayer.__call__(self, x, mask, cache)
+
+
+def head_logits(head: MTPHead, main: dsv3.Model, x: mx.array) -> mx.array:
+    return main.lm_head(head.shared_head.norm(x))
+
+
+# --------------------------------------------------------------------------------------
+# Hugging Face <-> mlx names
+# --------------------------------------------------------------------------------------
+
+
+def layer_to_hf(params: dict[str, mx.array], prefix: str, args: dsv3.ModelArgs) -> dict:
+    """Inverse of deepseek_v3 sanitize for one layer's flat mlx params (names relative to
+    the layer) -> HF names under ``prefix``."""
+    out: dict[str, mx.array] = {}
+    wk = params.get("self_attn.embed_q.weight")  # (heads, kv_lora, nope)
+    wv = params.get("self_attn.unembed_out.weight")  # (heads, v_dim, kv_lora)
+    for name, value in params.items():
+        if name in ("self_attn.embed_q.weight", "self_attn.unembed_out.weight"):
+            continue
+        if name.startswith("mlp.switch_mlp."):
+            proj = name.split(".")[2]  # gate_proj / up_proj / down_proj
+            for e in range(value.shape[0]):
+                out[f"{prefix}.mlp.experts.{e}.{proj}.weight"] = value[e]
+            continue
+        out[f"{prefix}.{name}"] = value
+    if wk is not None and wv is not None:
+        # HF kv_b_proj rows are per head [nope rows for K, v_dim rows for V].
+        kv_b = mx.concatenate([wk.swapaxes(-1, -2), wv], axis=1)
+        out[f"{prefix}.self_attn.kv_b_proj.weight"] = kv_b.reshape(-1, args.kv_lora_rank)
+    return out
+
+
+def layer_from_hf(weights: dict[str, mx.array], prefix: str, args: dsv3.ModelArgs) -> dict:
+    """HF names under ``prefix`` -> flat mlx names relative to the layer (what sanitize does,
+    applied to the MTP layer; used here only to verify the saved head round-trips)."""
+    rel = {k[len(prefix) + 1 :]: v for k, v in weights.items() if k.startswith(prefix + ".")}
+    out: dict[str, mx.array] = {}
+    experts: dict[str, dict[int, mx.array]] = {}
+    for name, value in rel.items():
+        parts = name.split(".")
+        if name.startswith("mlp.experts."):
+            experts.setdefault(parts[3], {})[int(parts[2])] = value
+        elif name == "self_attn.kv_b_proj.weight":
+            nope = args.qk_nope_head_dim
+            v = value.reshape(args.num_attention_heads, nope + args.v_head_dim, -1)
+            out["self_attn.embed_q.weight"] = mx.contiguous(v[:, :nope, :].swapaxes(-1, -2))
+            out["self_attn.unembed_out.weight"] = mx.contiguous(v[:, nope:, :])
+        else:
+            out[name] = value
+    for proj, per_expert in experts.items():
+        out[f"mlp.switch_mlp.{proj}.weight"] = mx.stack(
+            [per_expert[e] for e in sorted(per_expert)]
+        )
+    return out
+
+
+def main_to_hf(model: dsv3.Model) -> dict[str, mx.array]:
+    flat = dict(tree_flatten(model.parameters()))
+    out: dict[str, mx.array] = {}
+    for i in range(model.args.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        layer = {k[len(pre) :]: v for k, v in flat.items() if k.startswith(pre)}
+        out.update(layer_to_hf(layer, pre[:-1], model.args))
+    out.update({k: v for k, v in flat.items() if not k.startswith("model.layers.")})
+    return out
+
+
+def head_to_hf(head: MTPHead, main: dsv3.Model) -> dict[str, mx.array]:
+    prefix = f"model.layers.{main.args.num_hidden_layers}"
+    out = layer_to_hf(dict(tree_flatten(head.parameters())), prefix, main.args)
+    # Shared tensors, stored again under the head as in deepseek-ai/DeepSeek-V3.
+    out[f"{prefix}.embed_tokens.weight"] = main.model.embed_tokens.weight
+    out[f"{prefix}.shared_head.head.weight"] = main.lm_head.weight
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Data and tokenizer
+# --------------------------------------------------------------------------------------
+
+
+def stdlib_files() -> tuple[Path, list[Path], list[Path]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if not p.name.startswith("_sysconfigdata"))
+    train = [p for i, p in enumerate(files) if i % EVAL_EVERY != EVAL_OFFSET]
+    held = [p for i, p in enumerate(files) if i % EVAL_EVERY == EVAL_OFFSET]
+    return root, train, held
+
+
+def read_text(path: Path) -> str:
+    return path.read_bytes().decode("utf-8", errors="replace")
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def tokenizer_config() -> dict[str, Any]:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": EOS,
+        "eos_token": EOS,
+        "pad_token": EOS,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 2048,
+    }
+
+
+def encode_stream(tok: Any, texts: list[str], eos_id: int) -> np.ndarray:
+    ids: list[int] = []
+    for enc in tok.encode_batch(texts):
+        ids.extend(enc.ids)
+        ids.append(eos_id)  # a document boundary the model learns to see
+    return np.asarray(ids, dtype=np.int32)
+
+
+def sample_windows(stream: np.ndarray, rng: np.random.Generator, batch: int, length: int):
+    starts = rng.integers(0, len(stream) - length - 1, size=batch)
+    return np.stack([stream[s : s + length + 1] for s in starts])
+
+
+def eval_windows(stream: np.ndarray, length: int, limit: int) -> np.ndarray:
+    n = min(limit, (len(stream) - 1) // length)
+    return np.stack([stream[i * length : i * length + length + 1] for i in range(n)])
+
+
+# --------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------
+
+
+def lr_schedule(peak: float, steps: int, warmup: int) -> Callable:
+    warm = optim.linear_schedule(peak * 0.05, peak, warmup)
+    decay = optim.cosine_decay(peak, max(1, steps - warmup), end=peak * 0.1)
+    return optim.join_schedules([warm, decay], [warmup])
+
+
+def train_main(
+    model: dsv3.Model,
+    train: np.ndarray,
+    *,
+    steps: int,
+    batch: int,
+    length: int,
+    lr: float,
+    rng: np.random.Generator,
+    log: Callable[[str], None],
+) -> list[tuple[int, float]]:
+    opt = optim.AdamW(learning_rate=lr_schedule(lr, steps, min(100, steps // 10)),
+                      weight_decay=0.01)
+
+    def loss_fn(m: dsv3.Model, x: mx.array, y: mx.array) -> mx.array:
+        return nn.losses.cross_entropy(m(x), y, reduction="mean")
+
+    grad_fn = nn.value_and_grad(model, loss_fn)
+    state = [model.state, opt.state]
+
+    def step(x: mx.array, y: mx.array) -> mx.array:
+        loss, grads = grad_fn(model, x, y)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        opt.update(model, grads)
+        return loss
+
+    step = mx.compile(step, inputs=state, outputs=state)
+    curve: list[tuple[int, float]] = []
+    t0, running = time.time(), 0.0
+    for it in range(1, steps + 1):
+        w = mx.array(sample_windows(train, rng, batch, length))
+        loss = step(w[:, :-1], w[:, 1:])
+        mx.eval(state, loss)
+        running += loss.item()
+        if it % 25 == 0 or it == steps:
+            n = 25 if it % 25 == 0 else it % 25
+            curve.append((it, round(running / n, 4)))
+            log(f"main step {it}/{steps} loss {running / n:.3f} "
+                f"({(time.time() - t0) / it * 1000:.0f} ms/step)")
+            running = 0.0
+    return curve
+
+
+def train_head(
+    head: MTPHead,
+    main: dsv3.Model,
+    train: np.ndarray,
+    *,
+    steps: int,
+    batch: int,
+    length: int,
+    lr: float,
+    target: str,
+    bias_rate: float,
+    rng: np.random.Generator,
+    log: Callable[[str], None],
+) -> list[tuple[int, float]]:
+    """Self-distillation: the frozen main model supplies h_i and the target at i+1."""
+    main.freeze()
+    gate = head.mlp.gate if isinstance(head.mlp, dsv3.DeepseekV3MoE) else None
+    if gate is not None:
+        # Aux-loss-free balancing (DeepSeek-V3): the bias is moved by load, not by gradients.
+        gate.freeze(keys=["e_score_correction_bias"])
+    opt = optim.AdamW(learning_rate=lr_schedule(lr, steps, min(50, steps // 10)),
+                      weight_decay=0.01)
+
+    def loss_fn(hd: MTPHead, w: mx.array) -> tuple[mx.array, mx.array]:
+        h = mx.stop_gradient(main.model(w))  # post-norm hidden, (B, T, D)
+        if target == "distill":
+            tgt = mx.stop_gradient(mx.argmax(main.lm_head(h[:, 1:]), axis=-1))
+        else:
+            tgt = w[:, 2:]
+        emb = main.model.embed_tokens(w[:, 1:])
+        # Recompute the head layer explicitly so the router's load is visible.
+        x = hd.eh_proj(mx.concatenate([hd.enorm(emb), hd.hnorm(h[:, :-1])], axis=-1))
+        mask = create_attention_mask(x, None, return_array=True)
+        x = x + hd.self_attn(hd.input_layernorm(x), mask)
+        xn = hd.post_attention_layernorm(x)
+        x = x + hd.mlp(xn)
+        logits = head_logits(hd, main, x)
+        # Distillation has a target for all T pairs; the data token t_{i+2} for T-1.
+        if target == "distill":
+            loss = nn.losses.cross_entropy(logits, tgt, reduction="mean")
+        else:
+            loss = nn.losses.cross_entropy(logits[:, :-1], tgt, reduction="mean")
+        if gate is None:
+            return loss, mx.zeros((1,))
+        inds, _ = hd.mlp.gate(xn)
+        load = (inds[..., None] == mx.arange(gate.n_routed_experts)).sum(axis=(0, 1, 2))
+        return loss, load.astype(mx.float32)
+
+    grad_fn = nn.value_and_grad(head, loss_fn)
+    state = [head.state, opt.state]
+
+    def step(w: mx.array) -> mx.array:
+        (loss, load), grads = grad_fn(head, w)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        opt.update(head, grads)
+        if gate is not None:
+            gate.e_score_correction_bias = gate.e_score_correction_bias + bias_rate * mx.sign(
+                load.mean() - load
+            )
+        return loss
+
+    step = mx.compile(step, inputs=state, outputs=state)
+    curve: list[tuple[int, float]] = []
+    t0, running = time.time(), 0.0
+    for it in range(1, steps + 1):
+        w = mx.array(sample_windows(train, rng, batch, length))
+        loss = step(w)
+        mx.eval(state, loss)
+        running += loss.item()
+        if it % 25 == 0 or it == steps:
+            n = 25 if it % 25 == 0 else it % 25
+            curve.append((it, round(running / n, 4)))
+            log(f"head step {it}/{steps} loss {running / n:.3f} "
+                f"({(time.time() - t0) / it * 1000:.0f} ms/step)")
+            running = 0.0
+    main.unfreeze()
+    return curve
+
+
+# --------------------------------------------------------------------------------------
+# Evaluation
+# --------------------------------------------------------------------------------------
+
+
+def eval_main_loss(model: dsv3.Model, windows: np.ndarray, batch: int = 16) -> float:
+    total, count = 0.0, 0
+    for i in range(0, len(windows), batch):
+        w = mx.array(windows[i : i + batch])
+        loss = nn.losses.cross_entropy(model(w[:, :-1]), w[:, 1:], reduction="sum")
+        total += loss.item()
+        count += w[:, 1:].size
+    return total / count
+
+
+def eval_head_teacher_forced(
+    head: MTPHead, main: dsv3.Model, windows: np.ndarray, batch: int = 16
+) -> dict[str, float]:
+    """k=1 on held-out text: head argmax at i vs the main argmax at i+1 (exact for k=1)."""
+    hit = hit_data = main_data = n = 0
+    for i in range(0, len(windows), batch):
+        w = mx.array(windows[i : i + batch])
+        h = main.model(w[:, :-1])
+        g = mx.argmax(main.lm_head(h), axis=-1)  # main prediction of token j+1 at j
+        x = head.hidden(h[:, :-1], main.model.embed_tokens(w[:, 1:-1]))
+        d = mx.argmax(head_logits(head, main, x), axis=-1)  # prediction of token i+2
+        hit += (d == g[:, 1:]).sum().item()
+        hit_data += (d == w[:, 2:]).sum().item()
+        main_data += (g == w[:, 1:]).sum().item()
+        n += d.size
+    return {
+        "head_vs_main_argmax": hit / n,
+        "head_vs_data": hit_data / n,
+        "main_vs_data": main_data / (n + len(windows)),
+        "positions": n,
+    }
+
+
+def greedy_continue(model: dsv3.Model, prompts: mx.array, new_tokens: int) -> mx.array:
+    cache = make_prompt_cache(model)
+    logits = model(prompts, cache=cache)
+    out = [prompts]
+    tok = mx.argmax(logits[:, -1:], axis=-1)
+    for _ in range(new_tokens):
+        out.append(tok)
+        logits = model(tok, cache=cache)
+        tok = mx.argmax(logits[:, -1:], axis=-1)
+    mx.eval(out)
+    return mx.concatenate(out, axis=1)
+
+
+def eval_head_decode(
+    head: MTPHead,
+    main: dsv3.Model,
+    prompts: np.ndarray,
+    *,
+    new_tokens: int,
+    depth: int,
+    chain: str,
+) -> dict[str, Any]:
+    """Exact greedy speculative acceptance: on the main model's own greedy continuation the
+    verifier's outputs are the continuation itself, so teacher forcing is exact. The head's
+    cache is primed with the prompt pairs, gets one real pair per position, and the k-1
+    chained entries are trimmed away again (what a decoder does after verification).
+    ``chain`` is the hidden fed back for depth > 1: "pre" (layer output) or "post"
+    (after shared_head.norm)."""
+    seqs = greedy_continue(main, mx.array(prompts), new_tokens)
+    h = main.model(seqs)
+    g = np.array(mx.argmax(main.lm_head(h), axis=-1))  # g[:, j] predicts token j+1
+    emb = main.model.embed_tokens
+    p = prompts.shape[1]
+    cache = KVCache()
+    # Prime with pairs (h_j, s_{j+1}) for j < p-1.
+    head.hidden(h[:, : p - 1], emb(seqs[:, 1:p]), cache)
+    total = seqs.shape[1]
+    accepted_prefix = np.zeros(depth)  # positions whose first k drafts are all accepted
+    positions = 0
+    for i in range(p - 1, total - depth):
+        x = head.hidden(h[:, i : i + 1], emb(seqs[:, i + 1 : i + 2]), cache)
+        ok = np.ones(seqs.shape[0], dtype=bool)
+        for k in range(depth):
+            normed = head.shared_head.norm(x)
+            d = mx.argmax(main.lm_head(normed), axis=-1)
+            ok &= np.array(d[:, 0]) == g[:, i + 1 + k]
+            accepted_prefix[k] += ok.sum()
+            if k + 1 < depth:
+                fed = normed if chain == "post" else x
+                x = head.hidden(fed, emb(d), cache)
+        cache.trim(depth - 1)
+        positions += seqs.shape[0]
+    rates = accepted_prefix / positions
+    text_tokens = np.array(seqs[:, p:])
+    return {
+        "chain": chain,
+        "all_first_k_accepted": {str(k + 1): round(float(r), 4) for k, r in enumerate(rates)},
+        "conditional": {
+            str(k + 1): round(float(rates[k] / (rates[k - 1] if k else 1.0)), 4)
+            for k in range(depth)
+            if k == 0 or rates[k - 1] > 0
+        },
+        "expected_tokens_per_verify": {
+            str(k + 1): round(float(1 + rates[: k + 1].sum()), 4) for k in range(depth)
+        },
+        "positions": positions,
+        "distinct_generated_token_fraction": round(
+            float(np.mean([len(set(r.tolist())) / len(r) for r in text_tokens])), 4
+        ),
+    }
+
+
+# --------------------------------------------------------------------------------------
+# Saving and verification
+# --------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    out: Path,
+    main: dsv3.Model,
+    head: MTPHead,
+    config: dict[str, Any],
+    tok: Any,
+    dtype: mx.Dtype,
+) -> dict[str, str]:
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"format": "pt"}  # what HF writers put; transformers checks for it
+
+    def cast(d: dict[str, mx.array]) -> dict[str, mx.array]:
+        # The router's correction bias stays float32, as mlx-lm's cast_predicate keeps it.
+        return {
+            k: (v if "e_score_correction_bias" in k else v.astype(dtype))
+            for k, v in sorted(d.items())
+        }
+
+    main_w, head_w = cast(main_to_hf(main)), cast(head_to_hf(head, main))
+    mx.save_safetensors(str(out / "model.safetensors"), main_w, metadata=meta)
+    mx.save_safetensors(str(out / "mtp.safetensors"), head_w, metadata=meta)
+    size = sum(v.nbytes for v in main_w.values()) + sum(v.nbytes for v in head_w.values())
+    weight_map = {k: "model.safetensors" for k in main_w}
+    weight_map.update({k: "mtp.safetensors" for k in head_w})
+    index = {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}
+    cfg = dict(config)
+    cfg["torch_dtype"] = {mx.float32: "float32", mx.float16: "float16"}.get(dtype, "bfloat16")
+    files = {
+        "config.json": cfg,
+        "model.safetensors.index.json": index,
+        "tokenizer_config.json": tokenizer_config(),
+        "special_tokens_map.json": {"bos_token": EOS, "eos_token": EOS, "pad_token": EOS},
+        "generation_config.json": {"bos_token_id": cfg["bos_token_id"],
+                                   "eos_token_id": cfg["eos_token_id"], "do_sample": False},
+    }
+    for name, obj in files.items():
+        (out / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    tok.save(str(out / "tokenizer.json"))
+    return {
+        name: hashlib.sha256((out / name).read_bytes()).hexdigest()
+        for name in ("model.safetensors", "mtp.safetensors", "tokenizer.json")
+    }
+
+
+def verify_checkpoint(
+    out: Path, main: dsv3.Model, head: MTPHead, windows: np.ndarray
+) -> dict[str, Any]:
+    """mlx_lm.load the saved directory; compare main logits and (via our own inverse
+    mapping) head logits with the in-memory models."""
+    import mlx_lm
+
+    loaded, tokenizer = mlx_lm.load(str(out))
+    w = mx.array(windows[:4, :-1])
+    ref = main(w)
+    got = loaded(w).astype(mx.float32)
+    main_diff = mx.abs(ref - got).max().item()
+    same_argmax = (mx.argmax(ref, -1) == mx.argmax(got, -1)).mean().item()
+
+    args = main.args
+    weights = mx.load(str(out / "mtp.safetensors"))
+    fresh = MTPHead(args)
+    prefix = f"model.layers.{args.num_hidden_layers}"
+    fresh.load_weights(
+        [(k, v.astype(mx.float32)) for k, v in layer_from_hf(weights, prefix, args).items()
+         if not k.startswith(("embed_tokens.", "shared_head.head."))],
+        strict=True,
+    )
+    h = main.model(w)
+    e = main.model.embed_tokens(w[:, 1:])
+    a = head_logits(head, main, head.hidden(h[:, :-1], e))
+    b = head_logits(fresh, main, fresh.hidden(h[:, :-1], e))
+    head_diff = mx.abs(a - b).max().item()
+    prompt = "import os\n\n\ndef "
+    text = mlx_lm.generate(loaded, tokenizer, prompt, max_tokens=48, verbose=False)
+    return {
+        "mlx_lm_load": "ok",
+        "main_logits_max_abs_diff": main_diff,
+        "main_argmax_agreement": same_argmax,
+        "head_logits_max_abs_diff": head_diff,
+        "head_tensors_shared_equal": bool(
+            mx.array_equal(weights[f"{prefix}.shared_head.head.weight"],
+                           loaded.lm_head.weight).item()
+            and mx.array_equal(weights[f"{prefix}.embed_tokens.weight"],
+                               loaded.model.embed_tokens.weight).item()
+        ),
+        "greedy_sample": {"prompt": prompt, "completion": text},
+    }
+
+
+# --------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=500, help="main-model optimizer steps")
+    ap.add_argument("--head-steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--head-lr", type=float, default=3e-3)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--head-target", choices=["distill", "data"], default="distill")
+    ap.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    ap.add_argument("--eval-windows", type=int, default=64)
+    ap.add_argument("--no-openblas", action="store_true")
+    opts = ap.parse_args(argv)
+    _maybe_reexec_with_openblas([__file__, *argv], opts.no_openblas)
+    # Single-threaded tokenizer training keeps merges independent of thread timing.
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    t_start = time.time()
+    timings: dict[str, float] = {}
+
+    def log(msg: str) -> None:
+        print(f"[train {time.time() - t_start:6.1f}s] {msg}", flush=True)
+
+    mx.random.seed(opts.seed)
+    rng = np.random.default_rng(opts.seed)
+
+    root, train_files, held_files = stdlib_files()
+    train_texts = [read_text(p) for p in train_files]
+    held_texts = [read_text(p) for p in held_files]
+    log(f"stdlib {root}: {len(train_files)} train files "
+        f"({sum(map(len, train_texts))} chars), {len(held_files)} held out")
+
+    t = time.time()
+    tok = train_tokenizer(train_texts, opts.vocab)
+    eos_id = tok.token_to_id(EOS)
+    train_ids = encode_stream(tok, train_texts, eos_id)
+    held_ids = encode_stream(tok, held_texts, eos_id)
+    timings["tokenizer_and_encode_s"] = round(time.time() - t, 2)
+    log(f"tokenizer vocab {tok.get_vocab_size()}; {len(train_ids)} train tokens, "
+        f"{len(held_ids)} held-out tokens")
+
+    config = model_config(tok.get_vocab_size(), eos_id)
+    args = dsv3.ModelArgs.from_dict(config)
+    main_model = dsv3.Model(args)
+    head = MTPHead(args)
+    mx.eval(main_model.parameters(), head.parameters())
+    n_main = sum(v.size for _, v in tree_flatten(main_model.parameters()))
+    n_head = sum(v.size for _, v in tree_flatten(head.parameters()))
+    log(f"main params {n_main}, head params {n_head} (+ shared embed/lm_head)")
+
+    t = time.time()
+    main_curve = train_main(main_model, train_ids, steps=opts.steps, batch=opts.batch,
+                            length=opts.seq_len, lr=opts.lr, rng=rng, log=log)
+    timings["main_train_s"] = round(time.time() - t, 2)
+
+    eval_w = eval_windows(held_ids, opts.seq_len, opts.eval_windows)
+    held_loss = eval_main_loss(main_model, eval_w)
+    n_bytes = sum(len(s.encode()) for s in held_texts)
+    log(f"held-out loss {held_loss:.3f} ({held_loss * len(held_ids) / n_bytes / math.log(2):.3f} "
+        f"bits/byte estimate)")
+
+    t = time.time()
+    head_curve = train_head(head, main_model, train_ids, steps=opts.head_steps,
+                            batch=opts.batch, length=opts.seq_len, lr=opts.head_lr,
+                            target=opts.head_target, bias_rate=1e-2, rng=rng, log=log)
+    timings["head_train_s"] = round(time.time() - t, 2)
+
+    t = time.time()
+    tf = eval_head_teacher_forced(head, main_model, eval_w)
+    log(f"teacher-forced k=1 acceptance {tf['head_vs_main_argmax']:.3f}")
+    # Prompts: the first 64 tokens of held-out windows; 64 greedy tokens each.
+    prompts = eval_w[:32, :64]
+    decode = {c: eval_head_decode(head, main_model, prompts, new_tokens=64, depth=3, chain=c)
+              for c in ("post", "pre")}
+    for c, r in decode.items():
+        log(f"decode acceptance chain={c}: {r['all_first_k_accepted']}")
+    best = max(decode, key=lambda c: sum(decode[c]["all_first_k_accepted"].values()))
+    timings["eval_s"] = round(time.time() - t, 2)
+
+    dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}[opts.dtype]
+    hashes = save_checkpoint(opts.out, main_model, head, config, tok, dtype)
+    verify = verify_checkpoint(opts.out, main_model, head, eval_w)
+    log(f"verify: {json.dumps({k: v for k, v in verify.items() if k != 'greedy_sample'})}")
+    log(f"greedy sample: {verify['greedy_sample']['completion']!r}")
+    timings["total_s"] = round(time.time() - t_start, 2)
+
+    import mlx_lm
+    import tokenizers
+
+    report = {
+        "checkpoint": "stdlib-tiny",
+        "command": "python scripts/train_checkpoint.py " + " ".join(argv),
+        "data": {
+            "source": "sysconfig.get_paths()['stdlib'] top-level *.py, sorted, "
+                      "minus _sysconfigdata*",
+            "stdlib_root": str(root),
+            "held_out_rule": f"index % {EVAL_EVERY} == {EVAL_OFFSET}",
+            "train_files": [p.name for p in train_files],
+            "held_out_files": [p.name for p in held_files],
+            "train_bytes": sum(len(s.encode()) for s in train_texts),
+            "held_out_bytes": n_bytes,
+            "train_tokens": int(len(train_ids)),
+            "held_out_tokens": int(len(held_ids)),
+            "corpus_sha256": hashlib.sha256(
+                b"".join(p.name.encode() + p.read_bytes() for p in train_files + held_files)
+            ).hexdigest(),
+        },
+        "tokenizer": {"type": "byte-level BPE (tokenizers)", "vocab_size": tok.get_vocab_size(),
+                      "eos": EOS, "eos_id": eos_id},
+        "model": {"params_main": n_main, "params_head_own": n_head, "config": config},
+        "training": {
+            "seed": opts.seed, "steps": opts.steps, "head_steps": opts.head_steps,
+            "batch": opts.batch, "seq_len": opts.seq_len, "lr": opts.lr,
+            "head_lr": opts.head_lr, "optimizer": "AdamW wd=0.01, clip 1.0, warmup+cosine",
+            "main_loss_curve": main_curve, "head_loss_curve": head_curve,
+            "held_out_main_loss": round(held_loss, 4),
+            "head_target": opts.head_target,
+            "head_moe_bias_balancing_rate": 1e-2,
+        },
+        "acceptance": {
+            "teacher_forced_k1": tf,
+            "greedy_decode": decode,
+            "chain_hidden": best,
+            "chain_note": "depth>1 feeds the head's own output back as the hidden input "
+                          "with its own drafted token; 'post' = after shared_head.norm, "
+                          "'pre' = raw decoder-layer output",
+        },
+        "layout": {
+            "main": "model.safetensors (HF DeepSeek-V3 names)",
+            "head": f"mtp.safetensors, prefix model.layers.{args.num_hidden_layers}.",
+            "shared_copies": "embed_tokens and shared_head.head are stored under the head; "
+                             "equal to model.embed_tokens and lm_head",
+            "dtype": opts.dtype,
+        },
+        "verify": verify,
+        "files_sha256": hashes,
+        "timings": timings,
+        "environment": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "mlx": mx.__version__,
+            "mlx_lm": mlx_lm.__version__,
+            "tokenizers": tokenizers.__version__,
+            "numpy": np.__version__,
+            "blas": "openblas (LD_PRELOAD)" if "libopenblas" in os.environ.get(
+                "LD_PRELOAD", "") else "mlx bundled reference BLAS",
+            "cpu_count": os.cpu_count(),
+        },
+    }
+    (opts.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    log(f"wrote {opts.out} in {timings['total_s']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
