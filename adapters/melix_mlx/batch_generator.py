@@ -179,8 +179,9 @@ class MTPBatchGenerator:
         self._queue: deque[_Request] = deque()
         self._uid_count = 0
         self._counters = BatchCounters()
-        self.target_forwards = 0
-        self.replay_forwards = 0
+        self.target_forwards = 0  # batched verify / plain forwards
+        self.replay_forwards = 0  # batched ragged replays (recurrent layers only)
+        self.row_forwards = 0  # target and replay forwards counted once per row they served
         self.head_forwards = 0
         self.controller = controller
         self.last_report = StepReport()
@@ -215,6 +216,7 @@ class MTPBatchGenerator:
         out.update(
             target_forwards=self.target_forwards,
             replay_forwards=self.replay_forwards,
+            row_forwards=self.row_forwards,
             head_forwards=self.head_forwards,
             refusal=self.refusal,
         )
@@ -551,6 +553,7 @@ class MTPBatchGenerator:
         try:
             logits, hidden = forward_with_hidden(self.model, inputs, self.cache)
             self.target_forwards += 1
+            self.row_forwards += B
             outcomes = []
             for i in range(B):
                 n = k_rows[i] + 1 if i in spec_set else 1
@@ -569,6 +572,7 @@ class MTPBatchGenerator:
                 lambda x, c: forward_with_hidden(self.model, x, c), kept_rows, self.cache
             )
             self.replay_forwards += 1
+            self.row_forwards += B
         if K > 1:
             rollback.trim_all(self.head_cache, K - 1)  # the chained, speculative head entries
         step_events: dict[Any, Signal] = {}

@@ -1,0 +1,107 @@
+"""`melix-fsm bench`: MTP against mlx-lm's own paths, side by side, in one or both CPU regimes.
+
+Rules of this module:
+- `--regime current` measures in this process. `reference` and `openblas` re-run the
+  command in a child process with LD_PRELOAD cleared or set to Debian's OpenBLAS (see
+  shared design notes: the same CPU is compute-bound with the wheel's reference BLAS and
+  bandwidth-bound with OpenBLAS); `both` runs the two children one after the other.
+- Results go to OUT/bench-<regime>.json, a text table to stdout, the plot to OUT/bench.png.
+- mlx is imported inside `run` only. Exit 0 ok, 2 usage error, 3 the model refused MTP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+EMBEDDED = Path(__file__).resolve().parents[1] / "assets"
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark MTP against mlx-lm's plain, batched and draft-model decoding",
+        description="Side-by-side tokens/s ratios with acceptance, forwards per token, memory and "
+        "the cost model's prediction. Opt-in: it takes minutes.",
+    )
+    p.add_argument("--model", type=Path, default=None, help="default: the embedded trained checkpoint")
+    p.add_argument("--draft-model", type=Path, default=None, help="default: the embedded draft model")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--temps", type=float, nargs="+", default=[0.0, 0.7])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--regime", choices=["current", "reference", "openblas", "both"], default="current")
+    p.add_argument("--out", type=Path, default=Path("bench-results"))
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--tag", default=None, help=argparse.SUPPRESS)  # set by the parent for its children
+    p.set_defaults(run=run)
+
+
+def _child(args: argparse.Namespace, regime: str) -> dict[str, Any]:
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    if regime == "openblas":
+        if not Path(OPENBLAS).exists():
+            raise FileNotFoundError(f"{OPENBLAS} (apt-get install libopenblas0-pthread)")
+        env["LD_PRELOAD"] = OPENBLAS
+    argv = [sys.executable, "-m", "melix_fsm.cli", "bench", "--regime", "current", "--out", str(args.out)]
+    argv += ["--model", str(args.model), "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats)]
+    argv += ["--batch-sizes", *map(str, args.batch_sizes), "--ks", *map(str, args.ks)]
+    argv += ["--temps", *map(str, args.temps), "--tag", regime]
+    if args.draft_model is not None:
+        argv += ["--draft-model", str(args.draft_model)]
+    if args.no_progress:
+        argv.append("--no-progress")
+    subprocess.run(argv, env=env, check=True)
+    return json.loads((args.out / f"bench-{regime}.json").read_text())
+
+
+def run(args: argparse.Namespace) -> int:
+    if min(args.batch_sizes) < 1 or min(args.ks) < 1 or args.repeats < 1 or args.max_tokens < 2:
+        print("melix-fsm bench: error: sizes, k, repeats must be >= 1 and max tokens >= 2", file=sys.stderr)
+        return 2
+    if args.model is None:
+        args.model = EMBEDDED / "stdlib-tiny"
+    if args.draft_model is None and (EMBEDDED / "stdlib-tiny-draft" / "config.json").exists():
+        args.draft_model = EMBEDDED / "stdlib-tiny-draft"
+    args.out.mkdir(parents=True, exist_ok=True)
+    from melix_mlx.bench_report import plot, table
+
+    if args.regime in ("reference", "openblas", "both"):
+        regimes = ["reference", "openblas"] if args.regime == "both" else [args.regime]
+        results = {name: _child(args, name) for name in regimes}
+    else:
+        from melix_mlx.bench import run as bench_run
+        from melix_mlx.errors import HeadLoadError
+
+        try:
+            data = bench_run(
+                args.model,
+                draft_dir=args.draft_model,
+                batch_sizes=args.batch_sizes,
+                ks=args.ks,
+                temps=args.temps,
+                max_tokens=args.max_tokens,
+                repeats=args.repeats,
+                show_progress=not args.no_progress,
+            )
+        except HeadLoadError as exc:
+            print(f"melix-fsm bench: refused: {exc.reason}: {exc}", file=sys.stderr)
+            return 3
+        tag = getattr(args, "tag", None) or "current"
+        (args.out / f"bench-{tag}.json").write_text(json.dumps(data, indent=1))
+        results = {tag: data}
+        if getattr(args, "tag", None):
+            return 0  # a child: the parent prints and plots
+    for name, data in results.items():
+        print(f"== {name}")
+        print(table(data))
+    print(f"plot: {plot(results, args.out / 'bench.png')}")
+    return 0
