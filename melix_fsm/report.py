@@ -15,6 +15,16 @@ Rules of this module:
   caller knows them.
 - `counters` is optional: a generator that keeps its own per-row counters reports them
   so the kit can check they agree with the events.
+- A report must be consistent on its own: `validate_report` checks the shape (unique
+  uids, joined rows last in append order, left rows among the rows, `order` = the rows
+  minus the left ones) and raises `InvalidReport` naming the first problem. Whether the
+  events are legal and the order matches the batch needs history: the conformance kit's
+  mirror (melix_fsm.testing) checks that.
+- What a row's `emitted` may hold, given its events: one token per `plain_step`,
+  `accepted + 1` per `verified` (the accepted drafts, then the verify's own token), plus
+  the prefill's first token when the row joined in this step; fewer only when the row
+  finished in this step (the cut falls at its stop sequence or length). A draft is never
+  emitted before its `verified`.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from typing import Any
 import msgspec
 
 from .counters import Counters
+from .errors import MelixError
 from .lifecycle import Signal
 
 
@@ -45,3 +56,38 @@ class StepReport(msgspec.Struct, kw_only=True):
             if r.uid == uid:
                 return r
         return None
+
+
+class InvalidReport(MelixError, ValueError):
+    """A StepReport is inconsistent on its own; `problem` says how."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+        super().__init__(f"invalid step report: {problem}")
+
+
+def validate_report(report: StepReport) -> None:
+    """Check the shape rules of the module docstring; raise `InvalidReport` on the first miss."""
+    if not isinstance(report, StepReport):
+        raise InvalidReport(f"expected a StepReport, got {type(report).__name__}")
+    uids = [r.uid for r in report.rows]
+    if len(set(uids)) != len(uids):
+        raise InvalidReport(f"a uid appears twice among the rows {uids}")
+    for r in report.rows:
+        bad = [s for s in r.events if not isinstance(s, Signal)]
+        if bad:
+            raise InvalidReport(f"row {r.uid!r}: events must be Signals, got {bad[0]!r}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in r.emitted):
+            raise InvalidReport(f"row {r.uid!r}: emitted tokens must be ints, got {r.emitted}")
+        if r.counters is not None and not isinstance(r.counters, Counters):
+            raise InvalidReport(f"row {r.uid!r}: counters must be Counters or None")
+    # Joiners are appended: they are the last rows, in append order.
+    if report.joined and uids[len(uids) - len(report.joined) :] != list(report.joined):
+        raise InvalidReport(f"joined {report.joined} are not the last rows of {uids}")
+    missing = [u for u in report.left if u not in set(uids)]
+    if missing or len(set(report.left)) != len(report.left):
+        raise InvalidReport(f"left {report.left} must be distinct uids among the rows {uids}")
+    left = set(report.left)
+    survivors = [u for u in uids if u not in left]
+    if list(report.order) != survivors:
+        raise InvalidReport(f"order {report.order} != the rows minus the left ones {survivors}")

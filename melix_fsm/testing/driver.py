@@ -1,0 +1,365 @@
+"""The conformance driver: runs operations on a generator and checks every outcome.
+
+Rules of this module:
+- A driver owns one generator (BatchGenerator-shaped: `insert(prompts, max_tokens=...,
+  stop_sequences=..., **options) -> uids`, `next() -> (prompt_responses,
+  generation_responses)` with `.uid .token .finish_reason`, `remove(uids)`, and
+  `last_report` per melix_fsm.report) and the kit's view of every request it inserted:
+  the expected tokens (the reference decoder's, cut at max_tokens and at the first stop
+  sequence, inclusive), the tokens received, and whether it is queued, live, finished or
+  removed.
+- Operations are `insert`, `step` (one `next()`), `remove` and `drain` (step until every
+  request ended). Each is recorded, before it runs, as a plain dict in `schedule`, the
+  failing one last; requests are named by insertion index, not uid, so `replay` can
+  re-run a schedule on a fresh generator without Hypothesis.
+- Checks after each `next()`: the responses name live requests and agree with the report;
+  the report goes through a `ReportMirror` (lifecycle legality, invariants, counters,
+  emissions, order); every request's tokens stay a prefix of the expected tokens and equal
+  them when it finishes; a removed request's tokens stay a prefix; no row faults unless
+  `allow_faults` (a fault is a swallowed exception: in a run that injects none, a bug). If the generator keeps
+  a melix_fsm `Batch` in `.batch`, its order, states and invariants must match the mirror.
+- Every failure is a `ConformanceError` naming the property; an exception the generator
+  raises becomes `generator_raised` (chained). The message ends with the schedule as
+  JSON lines.
+- Pure core: no mlx (the default reference and stop builder import it lazily), no Hypothesis.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from melix_fsm import invariants
+from melix_fsm.batch import Batch
+from melix_fsm.invariants import InvariantViolation
+from melix_fsm.lifecycle import Event
+
+from .mirror import ConformanceError, ReportMirror
+from .reference import Reference, cut_at_stop, memoized, mlx_greedy_reference, mlx_stop_sequences
+
+StopBuilder = Callable[[Sequence[Sequence[int]]], Any]
+
+QUEUED, LIVE, FINISHED, REMOVED = "queued", "live", "finished", "removed"
+_FAULT = Event("fault")
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request as the kit asks for it (plain data: it goes into the schedule)."""
+
+    prompt: tuple[int, ...]
+    max_tokens: int
+    stops: tuple[tuple[int, ...], ...] = ()
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "prompt": list(self.prompt),
+            "max_tokens": self.max_tokens,
+            "stops": [list(s) for s in self.stops],
+            "options": dict(self.options),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RequestSpec:
+        return cls(
+            prompt=tuple(d["prompt"]),
+            max_tokens=int(d["max_tokens"]),
+            stops=tuple(tuple(s) for s in d.get("stops", ())),
+            options=dict(d.get("options", {})),
+        )
+
+
+@dataclass
+class Tracked:
+    """The kit's view of one inserted request."""
+
+    index: int
+    spec: RequestSpec
+    expected: tuple[int, ...]
+    uid: Any = None
+    status: str = QUEUED
+    got: list[int] = field(default_factory=list)
+
+
+class ConformanceDriver:
+    """Drives one generator through recorded operations; see the module rules."""
+
+    def __init__(
+        self,
+        generator: Any,
+        reference: Reference,
+        *,
+        make_stops: StopBuilder | None = None,
+        check_events: bool = True,
+        allow_faults: bool = False,
+        name: str = "",
+        seed: Any = None,
+    ) -> None:
+        self.gen = generator
+        self.reference = reference
+        self.make_stops = make_stops or mlx_stop_sequences
+        self.check_events = check_events
+        self.allow_faults = allow_faults
+        self.name = name
+        self.seed = seed
+        self.mirror = ReportMirror()
+        self.requests: list[Tracked] = []
+        self.by_uid: dict[Any, Tracked] = {}
+        self.schedule: list[dict[str, Any]] = []
+
+    # -- operations ------------------------------------------------------------------
+    def insert(self, specs: Sequence[RequestSpec]) -> list[int]:
+        """Insert requests in one call; returns their insertion indices."""
+        specs = list(specs)
+        tracked = []
+        for spec in specs:  # the reference runs first: its errors are not the generator's
+            full = tuple(self.reference(tuple(spec.prompt), spec.max_tokens))[: spec.max_tokens]
+            tracked.append(Tracked(len(self.requests) + len(tracked), spec, cut_at_stop(full, spec.stops)))
+        op: dict[str, Any] = {"op": "insert", "requests": [s.as_dict() for s in specs]}
+        with self._recording(op):
+            options: dict[str, list[Any]] = {}
+            for spec in specs:
+                for key, value in spec.options.items():
+                    options.setdefault(key, []).append(value)
+            uids = self._call(
+                lambda: self.gen.insert(
+                    [list(s.prompt) for s in specs],
+                    max_tokens=[s.max_tokens for s in specs],
+                    stop_sequences=[self.make_stops(s.stops) for s in specs],
+                    **options,
+                )
+            )
+            uids = list(uids)
+            op["uids"] = uids
+            if len(uids) != len(specs) or len(set(uids)) != len(uids):
+                raise ConformanceError("unknown_uid", f"insert of {len(specs)} prompts returned uids {uids}")
+            for t, uid in zip(tracked, uids):
+                if uid in self.by_uid:
+                    raise ConformanceError("unknown_uid", f"insert returned uid {uid!r} a second time", uid)
+                t.uid = uid
+                self.requests.append(t)
+                self.by_uid[uid] = t
+        return [t.index for t in tracked]
+
+    def remove(self, indices: Sequence[int]) -> None:
+        """Remove requests (by insertion index) whatever their status; ended ones are a no-op."""
+        targets = [self.requests[i] for i in indices]
+        op = {"op": "remove", "requests": list(indices), "uids": [t.uid for t in targets]}
+        with self._recording(op):
+            self._call(lambda: self.gen.remove([t.uid for t in targets]))
+            live = [t.uid for t in targets if t.status == LIVE]
+            for t in targets:
+                if t.status in (QUEUED, LIVE):
+                    t.status = REMOVED
+            if self.check_events:
+                self.mirror.remove(live)
+                self._check_generator_batch()
+
+    def step(self) -> None:
+        """One `next()` and every check on its outcome."""
+        with self._recording({"op": "next"}):
+            self._step()
+
+    def drain(self, max_steps: int | None = None) -> None:
+        """Step until every request has finished or been removed; then all must be complete."""
+        with self._recording({"op": "drain"}):
+            if max_steps is None:  # every step should emit a token for every live row
+                open_ = [t for t in self.requests if t.status in (QUEUED, LIVE)]
+                max_steps = 16 + 4 * sum(t.spec.max_tokens for t in open_)
+            for _ in range(max_steps):
+                if not any(t.status in (QUEUED, LIVE) for t in self.requests):
+                    break
+                self._step()
+            for t in self.requests:
+                if t.status in (QUEUED, LIVE):
+                    raise ConformanceError(
+                        "completion",
+                        f"request #{t.index} (uid {t.uid!r}) is still {t.status} after {max_steps} "
+                        f"steps with {len(t.got)} of {len(t.expected)} tokens",
+                        t.uid,
+                    )
+
+    def run(self, schedule: Sequence[Mapping[str, Any]]) -> None:
+        """Perform recorded operations (the `schedule` of an earlier driver)."""
+        for op in schedule:
+            kind = op["op"]
+            if kind == "insert":
+                self.insert([RequestSpec.from_dict(r) for r in op["requests"]])
+            elif kind == "next":
+                self.step()
+            elif kind == "remove":
+                self.remove(list(op["requests"]))
+            elif kind == "drain":
+                self.drain()
+            else:
+                raise ValueError(f"unknown schedule operation {kind!r}")
+
+    # -- checks ----------------------------------------------------------------------
+    def _step(self) -> None:
+        _, generation = self._call(self.gen.next)
+        per_uid: dict[Any, list[int]] = {}
+        finished: list[Any] = []
+        for r in generation:
+            t = self.by_uid.get(r.uid)
+            if t is None:
+                raise ConformanceError("unknown_uid", f"next() returned a token for uid {r.uid!r}", r.uid)
+            if t.status in (FINISHED, REMOVED) or r.uid in finished:
+                raise ConformanceError(
+                    "no_tokens_after_end",
+                    f"uid {r.uid!r} (request #{t.index}) got token {int(r.token)} after it "
+                    f"{'was removed' if t.status == REMOVED else 'finished'}",
+                    r.uid,
+                )
+            per_uid.setdefault(r.uid, []).append(int(r.token))
+            if r.finish_reason is not None:
+                finished.append(r.uid)
+        if self.check_events:
+            self._check_report(per_uid, finished)
+        for uid, tokens in per_uid.items():
+            t = self.by_uid[uid]
+            if t.status == QUEUED:  # without reports, the first token is the join
+                t.status = LIVE
+            t.got.extend(tokens)
+            if tuple(t.got) != t.expected[: len(t.got)]:
+                raise ConformanceError("tokens_match_reference", _mismatch(t), uid)
+        for uid in finished:
+            t = self.by_uid[uid]
+            t.status = FINISHED
+            if tuple(t.got) != t.expected:
+                raise ConformanceError("tokens_match_reference", _mismatch(t, finished=True), uid)
+
+    def _check_report(self, per_uid: dict[Any, list[int]], finished: list[Any]) -> None:
+        report = getattr(self.gen, "last_report", None)
+        if report is None:
+            raise ConformanceError("report_missing", "the generator has no last_report after next()")
+        for uid in getattr(report, "joined", []):
+            t = self.by_uid.get(uid)
+            if t is None or t.status != QUEUED:
+                what = "was never inserted" if t is None else f"is {t.status}, not queued"
+                raise ConformanceError("unknown_uid", f"uid {uid!r} joined the batch but {what}", uid)
+        reported = {r.uid: list(r.emitted) for r in getattr(report, "rows", [])}
+        for uid in set(reported) | set(per_uid):
+            if reported.get(uid, []) != per_uid.get(uid, []):
+                raise ConformanceError(
+                    "responses_match_report",
+                    f"uid {uid!r}: next() returned tokens {per_uid.get(uid, [])} but the report says "
+                    f"{reported.get(uid, 'nothing')}",
+                    uid,
+                )
+        self.mirror.observe(report, finished)
+        if not self.allow_faults:
+            for r in report.rows:
+                for signal in r.events:
+                    if signal.event is _FAULT:
+                        raise ConformanceError(
+                            "no_silent_faults",
+                            f"uid {r.uid!r} faulted ({signal.reason or 'no reason given'}): a speculative "
+                            "forward raised and was swallowed (pass allow_faults=True when injecting faults)",
+                            r.uid,
+                        )
+        for uid in report.joined:
+            self.by_uid[uid].status = LIVE
+        self._check_generator_batch()
+
+    def _check_generator_batch(self) -> None:
+        batch = getattr(self.gen, "batch", None)
+        if not isinstance(batch, Batch):
+            return
+        if batch.uids != self.mirror.uids:
+            raise ConformanceError(
+                "generator_batch", f"generator rows {batch.uids} != mirror {self.mirror.uids}"
+            )
+        for row in batch:
+            mirror_row = self.mirror.batch.row(row.uid)
+            if row.state != mirror_row.state:
+                raise ConformanceError(
+                    "generator_batch",
+                    f"uid {row.uid!r} is {row.state.value!r} in the generator but its reported events "
+                    f"lead to {mirror_row.state.value!r}",
+                    row.uid,
+                )
+        try:
+            invariants.check_batch(batch)
+        except InvariantViolation as exc:
+            raise ConformanceError("generator_batch", str(exc)) from None
+
+    # -- plumbing --------------------------------------------------------------------
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except ConformanceError:
+            raise
+        except Exception as exc:
+            raise ConformanceError("generator_raised", f"{type(exc).__name__}: {exc}") from exc
+
+    def _recording(self, op: dict[str, Any]) -> _Recording:
+        return _Recording(self, op)
+
+    def describe(self) -> str:
+        """Where we are and the schedule so far, as JSON lines (attached to every failure)."""
+        where = f"at operation #{len(self.schedule)} ({self.schedule[-1]['op'] if self.schedule else '-'})"
+        if self.name:
+            where += f" on {self.name}"
+        if self.seed is not None:
+            where += f", seed {self.seed}"
+        lines = "\n".join(json.dumps(op, default=repr) for op in self.schedule)
+        return f"{where}\nschedule (melix_fsm.testing.replay re-runs it without Hypothesis):\n{lines}"
+
+
+class _Recording:
+    """Context manager: record an operation; on failure attach the schedule to the error."""
+
+    def __init__(self, driver: ConformanceDriver, op: dict[str, Any]) -> None:
+        self.driver = driver
+        self.op = op
+
+    def __enter__(self) -> None:
+        self.driver.schedule.append(self.op)
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        if isinstance(exc, ConformanceError) and not exc.schedule:
+            exc.attach(self.driver.describe(), [dict(op) for op in self.driver.schedule])
+
+
+def _mismatch(t: Tracked, finished: bool = False) -> str:
+    got, want = tuple(t.got), t.expected
+    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    how = "finished with" if finished else "has"
+    return (
+        f"request #{t.index} (uid {t.uid!r}, prompt {list(t.spec.prompt)}, max_tokens {t.spec.max_tokens}, "
+        f"stops {[list(s) for s in t.spec.stops]}) {how} tokens {list(got)}, reference {list(want)} "
+        f"(first difference at position {at})"
+    )
+
+
+def replay(
+    schedule: Sequence[Mapping[str, Any]],
+    generator_factory: Callable[[], Any],
+    reference: Reference | None = None,
+    *,
+    model: Any = None,
+    make_stops: StopBuilder | None = None,
+    check_events: bool = True,
+    allow_faults: bool = False,
+) -> ConformanceDriver:
+    """Re-run a recorded schedule on a fresh generator; raises the same ConformanceError.
+
+    `reference` defaults to mlx-lm's greedy decoding of `model`. Returns the driver (its
+    `requests` hold every request's expected and received tokens) when everything passes.
+    """
+    if reference is None:
+        if model is None:
+            raise ValueError("replay needs a reference decoder or the model to build mlx-lm's")
+        reference = mlx_greedy_reference(model)
+    driver = ConformanceDriver(
+        generator_factory(),
+        memoized(reference),
+        make_stops=make_stops,
+        check_events=check_events,
+        allow_faults=allow_faults,
+    )
+    driver.run(schedule)
+    return driver
