@@ -135,8 +135,10 @@ class Batch:
             self._index[row.uid] = len(self._rows)
             self._rows.append(row)
         if isinstance(other, Batch):  # rows moved: the source must not keep aliases
-            other._rows = []
-            other._index = {}
+            self.retired.add(other.retired)  # and its retired rows now count here
+            self.retired_uids.extend(other.retired_uids)
+            other._rows, other._index = [], {}
+            other.retired, other.retired_uids = Counters(), []
 
     def filter(self, keep: Sequence[int]) -> None:
         """Keep the rows at `keep` (strictly increasing indices), as mlx-lm's filter does."""
@@ -197,7 +199,7 @@ class Batch:
         if uids is None:
             chosen = [row.uid for row in self._rows if (row.state, signal.event) in TABLE]
         else:
-            chosen = list(uids)
+            chosen = list(dict.fromkeys(uids))  # each row once, in the order given
         self.step({uid: signal for uid in chosen})
         return chosen
 

@@ -11,8 +11,10 @@ Rules of this module:
   `SequenceMachine` from `requested` with ADMIT or REFUSE and records the state it reached.
 - Nothing falls back silently: when speculation does not run, `refusal_reason` says why
   (method none and device policy force_off are `operator_disabled`, mode `legacy_only`).
-- The hardware gate belongs to the device policy (melix_fsm.policy): here it stays
-  `not_evaluated` and `hardware` stays None until that policy is wired in.
+- The hardware gate belongs to the device policy (melix_fsm.policy). `resolve` runs before
+  any weight is loaded, so its receipt says `not_evaluated`; once the model is loaded and
+  measured, `with_hardware` returns the same receipt with the gate, the measured figures
+  and, when the gate disables speculation, the typed refusal `device_policy_disabled`.
 - The receipt's JSON Schema lives in spec/receipt.schema.json; `schema_json()` rebuilds it
   and a test fails when the file is stale. Changing a field means bumping SCHEMA_ID.
 """
@@ -38,6 +40,7 @@ from .checkpoint import (
 from .config import DevicePolicy, Method, Sources, SpeculativeConfig
 from .errors import CheckpointError
 from .lifecycle import ADMIT, Event, SequenceMachine, Signal
+from .policy import HardwareDecision
 from .reasons import RefusalReason
 from .registry import Chain, Concat, Family, NormRepair, Registry, Support, registry
 from .spec import spec_dir
@@ -118,7 +121,7 @@ class Receipt(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     vocab_size: int | None
     draft_vocab_size: int | None
     hardware_gate: HardwareGate = HardwareGate.not_evaluated
-    hardware: dict[str, Any] | None = None  # measured figures, filled by the device policy
+    hardware: HardwareDecision | None = None  # the device policy's decision and its inputs
     operator_override: bool
     refusal_reason: RefusalReason | None
     message: str
@@ -430,3 +433,43 @@ def schema_json() -> bytes:
 
 def schema_path() -> Path:
     return spec_dir() / "receipt.schema.json"
+
+
+def with_hardware(receipt: Receipt, decision: HardwareDecision) -> Receipt:
+    """The receipt once the device policy has measured the loaded model.
+
+    An admitted start whose gate comes out disabled becomes a refusal with reason
+    `device_policy_disabled`; its lifecycle row is admitted and then suspended by the
+    policy (not refused), because the policy may resume it when the cost model pays.
+    """
+    changes: dict[str, Any] = {
+        "hardware_gate": HardwareGate(decision.hardware_gate.value),
+        "hardware": decision,
+        "operator_override": receipt.operator_override or decision.operator_override,
+    }
+    if receipt.mode is Mode.accepted:
+        if decision.speculate:
+            changes["message"] = receipt.message.replace(
+                "; hardware gate not evaluated", f"; hardware gate admitted ({decision.reason.value})"
+            )
+        else:
+            changes.update(
+                mode=Mode.refused,
+                lifecycle_state="suspended",
+                refusal_reason=RefusalReason.device_policy_disabled,
+                message=f"device policy {decision.hardware_policy.value} disabled speculation: "
+                f"{decision.reason.value}"
+                + (
+                    f" (predicted speedup {decision.predicted_speedup:.2f})"
+                    if decision.predicted_speedup
+                    else ""
+                ),
+            )
+    return msgspec.structs.replace(receipt, **changes)
+
+
+def _disabled_message(decision: HardwareDecision) -> str:
+    message = f"device policy {decision.hardware_policy.value} disabled speculation: {decision.reason.value}"
+    if decision.predicted_speedup is not None:
+        message += f" (predicted speedup {decision.predicted_speedup:.2f})"
+    return message

@@ -219,6 +219,7 @@ class MTPBatchGenerator:
             row_forwards=self.row_forwards,
             head_forwards=self.head_forwards,
             refusal=self.refusal,
+            policy=self.controller.summary() if self.controller is not None else None,
         )
         return out
 
@@ -394,6 +395,11 @@ class MTPBatchGenerator:
         self._counters.prompt_time += time.perf_counter() - tic
         self.cache = _extend_cache(self.cache, _merge_caches(caches))
         self.head_cache = _extend_cache(self.head_cache, _merge_caches(head_caches))
+        if self.controller is not None and not self.controller.speculating:
+            # speculation is suspended batch-wide: joining rows start suspended too
+            reason = self.controller.events[-1].reason if self.controller.events else "device_policy"
+            for uid in joining.suspend(reason=str(reason)):
+                self._record(uid, Signal(event=lc.SUSPEND.event, reason=str(reason)))
         first = len(self.batch)
         self.batch.extend(joining)
         # The first token of each joining row came from its prefill: emit it now.

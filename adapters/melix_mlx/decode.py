@@ -32,6 +32,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from melix_fsm import lifecycle as lc
 from melix_fsm.lifecycle import SequenceMachine, State
+from melix_fsm.policy import Action
 
 from . import rollback
 from .hidden import forward_with_hidden
@@ -50,6 +51,7 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 Sampler = Callable[[mx.array], mx.array]
 
 _CYCLE_READY = frozenset({State("admitted"), State("accepted"), State("rolled_back")})
+_NO_POLICY = frozenset({State("refused"), State("faulted"), State("finished")})  # never speculate again
 
 
 class MTPDecoder:
@@ -72,6 +74,7 @@ class MTPDecoder:
         prefill_step_size: int = 2048,
         machine: SequenceMachine | None = None,
         refusal: str | None = None,
+        controller: Any = None,
     ) -> None:
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
@@ -90,6 +93,7 @@ class MTPDecoder:
         self.head_forwards = 0
         self.fault_message: str | None = None
         self.refusal = refusal or self._refusal_reason()
+        self.controller = controller  # melix_fsm.policy.ActivationController, or None: always on
         self._history: list[int] = []  # every token fed to the model, for processors
         self._pending_hidden: mx.array | None = None  # [L, D] hiddens awaiting the head
         self._pending_tokens: list[int] = []  # the token paired with each pending hidden
@@ -239,6 +243,8 @@ class MTPDecoder:
     def generate(self, prompt: mx.array, max_tokens: int = 256) -> Iterator[tuple[int, mx.array, bool]]:
         """Yield up to `max_tokens` tokens as `(token, logprobs, from_draft)`."""
         self._resolve()
+        if self.controller is not None and not self.controller.speculating:
+            self._apply(Action.suspend)  # the gate disabled this start: begin suspended
         logprobs, hiddens = self._prefill(prompt)
         y = int(self._choose(logprobs[-1:]).item())
         self._queue_pairs(hiddens, [*prompt[1:].tolist(), y])
@@ -246,6 +252,7 @@ class MTPDecoder:
         yield y, logprobs[-1], False
         while max_tokens < 0 or produced < max_tokens:
             remaining = max_tokens - produced if max_tokens >= 0 else self.k + 1
+            before = (self.machine.counters.accepted, self.machine.counters.proposed)
             if self.machine.state in _CYCLE_READY:
                 k = max(1, min(self.k, remaining - 1))
                 out = self._cycle(y, k)
@@ -254,10 +261,22 @@ class MTPDecoder:
             else:
                 token, lp = self._plain_step(y)
                 out = [(token, lp, False)]
+            if self.controller is not None and self.machine.state not in _NO_POLICY:
+                c = self.machine.counters
+                self._apply(self.controller.update(1, c.accepted - before[0], c.proposed - before[1]))
             for item in out[:remaining]:
                 produced += 1
                 yield item
             y = out[-1][0]
+
+    def _apply(self, action: Action) -> None:
+        """Turn a controller action into a lifecycle event, when the state allows it."""
+        if action is Action.keep:
+            return
+        event = lc.SUSPEND if action is Action.suspend else lc.RESUME
+        if self.machine.allows(event.event):
+            reason = self.controller.events[-1].reason if self.controller.events else action.value
+            self.machine.send(lc.Signal(event=event.event, reason=str(reason)))
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -270,5 +289,6 @@ class MTPDecoder:
             head_forwards=self.head_forwards,
             refusal=self.refusal,
             fault=self.fault_message,
+            policy=self.controller.summary() if self.controller is not None else None,
         )
         return out

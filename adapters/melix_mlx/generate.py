@@ -81,6 +81,7 @@ def make_decoder(
     prefill_step_size: int = 2048,
     machine: SequenceMachine | None = None,
     refusal: str | None = None,
+    controller: Any = None,
 ) -> MTPDecoder:
     """The decoder the two entry points use (exposed so callers can keep its stats)."""
     if prompt_cache is None and max_kv_size is not None:
@@ -95,6 +96,7 @@ def make_decoder(
         prefill_step_size=prefill_step_size,
         machine=machine,
         refusal=refusal,
+        controller=controller,
     )
 
 
@@ -161,12 +163,14 @@ def mtp_stream_generate(
     stream: Any = generation_stream,
     machine: SequenceMachine | None = None,
     refusal: str | None = None,
+    controller: Any = None,
     **kw: Any,
 ) -> Iterator[MTPGenerationResponse]:
     """`stream_generate` with an MTP head; see the module rules.
 
     `machine` is the sequence's lifecycle machine when the caller already resolved it
-    (e.g. from a receipt); `refusal` forces plain decode and records the reason.
+    (e.g. from a receipt); `refusal` forces plain decode and records the reason;
+    `controller` (melix_fsm.policy.ActivationController) suspends and resumes speculation.
     """
     if max_tokens == 0:
         raise ValueError("Maximum number of tokens must be non-zero (use -1 for no limit).")
@@ -189,6 +193,7 @@ def mtp_stream_generate(
         prefill_step_size=prefill_step_size,
         machine=machine,
         refusal=refusal,
+        controller=controller,
     )
 
     def response(

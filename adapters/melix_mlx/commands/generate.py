@@ -59,6 +59,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, metavar="N")
     parser.add_argument("--method", choices=["mtp", "none"], default=None, help="default: mtp (best effort)")
     parser.add_argument("--num-draft-tokens", type=int, default=None, metavar="K")
+    parser.add_argument(
+        "--device-policy",
+        choices=["auto", "force_on", "force_off"],
+        default=None,
+        help="auto (default): measure the loaded model and speculate only where it pays",
+    )
     parser.add_argument("--temp", type=float, default=0.0, metavar="T")
     parser.add_argument("--top-p", type=float, default=0.0, metavar="P")
     parser.add_argument("--seed", type=int, default=None, metavar="S")
@@ -149,7 +155,9 @@ def run(args: argparse.Namespace) -> int:
     from melix_fsm.receipt import Mode, receipt_json, resolve
 
     try:
-        config = speculative_config(method=args.method, num_draft_tokens=args.num_draft_tokens)
+        config = speculative_config(
+            method=args.method, num_draft_tokens=args.num_draft_tokens, device_policy=args.device_policy
+        )
     except ConfigError as exc:
         return _fail(str(exc))
     model_dir, model_source = _model_dir(args)
@@ -202,6 +210,18 @@ def run(args: argparse.Namespace) -> int:
 
     from melix_mlx.sampling import make_sampler
 
+    controller = None
+    if head is not None and refusal is None:
+        # measured after loading, before serving: the receipt gains the hardware gate
+        from melix_mlx.activation import evaluate
+
+        activation = evaluate(model, head, receipt, config, batch_size=len(prompts))
+        receipt_data = json.loads(receipt_json(activation.receipt))
+        controller = activation.controller
+        if not activation.decision.speculate:
+            note = activation.receipt.message
+            print(f"{PROG}: note: {note}; decoding plainly unless the policy resumes", file=sys.stderr)
+
     if args.seed is not None:
         mx.random.seed(args.seed)
     sampler = make_sampler(temp=args.temp, top_p=args.top_p)
@@ -215,9 +235,11 @@ def run(args: argparse.Namespace) -> int:
         "head_load_error": head_error,
     }
     if len(prompts) == 1:
-        results = [_single(model, tokenizer, head, prompts[0], args, k, sampler, machine, refusal)]
+        results = [
+            _single(model, tokenizer, head, prompts[0], args, k, sampler, machine, refusal, controller)
+        ]
     else:
-        results = _batched(model, tokenizer, head, prompts, args, k, sampler, refusal)
+        results = _batched(model, tokenizer, head, prompts, args, k, sampler, refusal, controller)
     for i, result in enumerate(results):
         if args.json:
             print(json.dumps({"index": i, **result, **common}))
@@ -227,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _single(model, tokenizer, head, prompt, args, k, sampler, machine, refusal) -> dict[str, Any]:
+def _single(model, tokenizer, head, prompt, args, k, sampler, machine, refusal, controller) -> dict[str, Any]:
     from melix_mlx.generate import mtp_stream_generate
 
     tokens: list[int] = []
@@ -243,6 +265,7 @@ def _single(model, tokenizer, head, prompt, args, k, sampler, machine, refusal) 
         sampler=sampler,
         machine=machine,
         refusal=refusal,
+        controller=controller,
     ):
         if r.finish_reason != "stop":
             tokens.append(r.token)
@@ -265,7 +288,7 @@ def _single(model, tokenizer, head, prompt, args, k, sampler, machine, refusal) 
     }
 
 
-def _batched(model, tokenizer, head, prompts, args, k, sampler, refusal) -> list[dict[str, Any]]:
+def _batched(model, tokenizer, head, prompts, args, k, sampler, refusal, controller) -> list[dict[str, Any]]:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     from melix_mlx.batch_generator import MTPBatchGenerator
@@ -281,6 +304,7 @@ def _batched(model, tokenizer, head, prompts, args, k, sampler, refusal) -> list
         sampler=sampler,
         stop_tokens=[[t] for t in wrapper.eos_token_ids],
         refusal=refusal,
+        controller=controller,
     )
     results = [
         {"prompt": p, "prompt_tokens": len(e), "tokens": [], "finish_reason": None, "stats": None}
