@@ -18,7 +18,9 @@ Rules:
   prefix of ``script[1:]`` to its next token; an unknown prefix predicts token 0.
 - ``wrong_every=m`` makes the prediction deliberately wrong ((right + 1) % vocab) when
   ``len(prefix) % m == 0``, forcing rejections and rollbacks at known places.
-- Returns ``(logits [B, L, V] one-hot-ish float32, head_hidden [B, L, D] zeros)``.
+- Returns ``(logits [B, L, V] one-hot-ish float32, head_hidden [B, L, D] zeros)``: the
+  scripted token gets logit ``confidence`` (default 50: q is one-hot for any sampler),
+  every other token 0. A small ``confidence`` gives a spread q for sampling tests.
 """
 
 from __future__ import annotations
@@ -27,8 +29,6 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
-
-_HIGH = 50.0  # logit of the scripted token; every other token gets 0 (q ~ e^-50)
 
 
 class ScriptedHead:
@@ -40,8 +40,11 @@ class ScriptedHead:
         vocab_size: int,
         hidden_size: int,
         wrong_every: int | None = None,
+        *,
+        confidence: float = 50.0,
     ) -> None:
         self.vocab_size = vocab_size
+        self.confidence = confidence
         self.hidden_size = hidden_size
         self.wrong_every = wrong_every
         self.calls = 0
@@ -78,5 +81,5 @@ class ScriptedHead:
             before = len(context) - L
             targets.append([self.predict(context[: before + i + 1]) for i in range(L)])
         onehot = mx.array(targets)[..., None] == mx.arange(self.vocab_size)
-        logits = onehot.astype(mx.float32) * _HIGH
+        logits = onehot.astype(mx.float32) * self.confidence
         return logits, mx.zeros((B, L, self.hidden_size), mx.float32)
