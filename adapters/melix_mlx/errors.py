@@ -4,14 +4,17 @@ Rules:
 - Every failure to produce a usable head is a ``HeadLoadError`` subclass carrying a
   machine-readable ``reason`` (one of ``REASONS``), so callers can put it in a receipt.
 - These are raised before any decoding starts; nothing falls back silently.
+- They belong to the package's one error tree (melix_fsm.errors.MelixError).
 """
 
 from __future__ import annotations
 
+from melix_fsm.errors import MelixError
+
 REASONS = ("missing_head_weights", "head_shape_mismatch", "unsupported_model")
 
 
-class HeadLoadError(Exception):
+class HeadLoadError(MelixError):
     """Base class: the checkpoint cannot give a usable MTP head."""
 
     reason: str = "unsupported_model"

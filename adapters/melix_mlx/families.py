@@ -1,40 +1,44 @@
-"""Family detection from a Hugging Face / mlx-lm ``config.json`` dict.
+"""Family detection for the loaders, read from the project's one registry (spec/families.toml).
 
 Rules:
-- A family is named by the mlx-lm module that runs its main model (``qwen3_5``,
-  ``deepseek_v3``, ``mimo``); nothing else is guessed from names or paths.
-- The advertised head count comes from the family's own config key
-  (``text_config.mtp_num_hidden_layers`` for qwen3_5, ``num_nextn_predict_layers``
-  otherwise). A count of 0 or a missing key means the config advertises no head.
+- Nothing about a family is written here: model types, head-count keys and head modules
+  come from `melix_fsm.registry`. A family the registry does not run (refused, no MTP,
+  unknown) raises `UnsupportedModel` with the registry's reason.
+- The family name returned is the head module's name (a borrowed layout returns the
+  module it borrows), which is what `melix_mlx.heads` is keyed by.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from melix_fsm.checkpoint import config_value
+from melix_fsm.registry import Family, Support, registry
+
 from .errors import UnsupportedModel
 
-FAMILIES = ("qwen3_5", "deepseek_v3", "mimo")
-
-# model_type -> family. qwen3_5's text-only config may carry "qwen3_5_text".
-_MODEL_TYPES = {
-    "qwen3_5": "qwen3_5",
-    "qwen3_5_text": "qwen3_5",
-    "deepseek_v3": "deepseek_v3",
-    "mimo": "mimo",
-}
+FAMILIES = tuple(
+    sorted({f.head_module for f in registry().families.values() if f.head_module and not f.layout_of})
+)
 
 
-def detect_family(config: dict[str, Any]) -> str:
-    """Return the family name for ``config`` or raise ``UnsupportedModel``."""
+def _entry(config: dict[str, Any]) -> Family:
     model_type = config.get("model_type")
-    family = _MODEL_TYPES.get(str(model_type))
-    if family is None:
+    if not isinstance(model_type, str) and isinstance(config.get("text_config"), dict):
+        model_type = config["text_config"].get("model_type")
+    family = registry().family_for(str(model_type)) if model_type is not None else None
+    if family is None or family.support is not Support.mtp or not family.head_module:
+        why = family.message if family is not None and family.message else "no runnable MTP head"
         raise UnsupportedModel(
-            f"model_type {model_type!r} has no MTP head support (supported: {', '.join(FAMILIES)})",
+            f"model_type {model_type!r}: {why} (runnable: {', '.join(FAMILIES)})",
             details={"model_type": model_type},
         )
     return family
+
+
+def detect_family(config: dict[str, Any]) -> str:
+    """The head module name for `config`, or raise `UnsupportedModel`."""
+    return _entry(config).head_module
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -43,8 +47,9 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def advertised_head_count(config: dict[str, Any]) -> int:
-    """How many MTP layers the config says the checkpoint ships."""
-    family = detect_family(config)
-    if family == "qwen3_5":
-        return int(text_config(config).get("mtp_num_hidden_layers", 0) or 0)
-    return int(config.get("num_nextn_predict_layers", 0) or 0)
+    """How many MTP layers the config says the checkpoint ships (first registry key present)."""
+    for key in _entry(config).head_count_keys:
+        found, value = config_value(config, key)
+        if found and value is not None:
+            return int(value or 0)
+    return 0

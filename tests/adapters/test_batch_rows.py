@@ -168,10 +168,17 @@ class _ScriptedController:
     def __init__(self):
         self.step = 0
         self.events = []
+        self.speculating = True
 
     def update(self, batch_size, accepted=0, proposed=0):
         self.step += 1
-        return {2: Action.suspend, 5: Action.resume}.get(self.step, Action.keep)
+        action = {2: Action.suspend, 5: Action.resume}.get(self.step, Action.keep)
+        if action is not Action.keep:
+            self.speculating = action is Action.resume
+        return action
+
+    def summary(self):
+        return {"steps": self.step}
 
 
 def test_controller_suspends_and_resumes_rows_through_lifecycle_events(loaded_heads):
