@@ -115,8 +115,12 @@ class MTPDecoder:
         self.machine.send(lc.REFUSE if self.refusal else lc.ADMIT)
 
     # -- target side ---------------------------------------------------------------
-    def _target(self, logits: mx.array, fed: list[int]) -> mx.array:
-        """Processed log-probabilities [L, V] for logits [L, V] of the tokens `fed`."""
+    def _target(self, logits: mx.array, fed: list[int] | None) -> mx.array:
+        """Processed log-probabilities [L, V] for logits [L, V] of the tokens `fed`.
+
+        The token history exists only for logits processors; without them `fed` may be
+        None, which lets a cycle keep its drafts on the device until one final sync.
+        """
         if self.processors:
             rows = []
             for i, token in enumerate(fed):
@@ -127,8 +131,6 @@ class MTPDecoder:
                     row = processor(history, row)
                 rows.append(row)
             logits = mx.concatenate(rows, axis=0)
-        else:
-            self._history.extend(fed)
         return normalize_logits(logits)
 
     def _choose(self, logprobs: mx.array) -> mx.array:
@@ -138,7 +140,7 @@ class MTPDecoder:
         return self.sampler(logprobs)
 
     def _forget(self, n: int) -> None:
-        if n > 0:
+        if n > 0 and self.processors:
             del self._history[-n:]
 
     # -- head side -----------------------------------------------------------------
@@ -151,14 +153,15 @@ class MTPDecoder:
             self._pending_hidden = mx.concatenate([self._pending_hidden, hidden], axis=0)
         self._pending_tokens.extend(tokens)
 
-    def _draft(self, k: int) -> tuple[list[int], mx.array | None]:
-        """Feed pending pairs, then chain; returns k drafts and their q (sampling only)."""
+    def _draft(self, k: int) -> tuple[mx.array, mx.array | None]:
+        """Feed pending pairs, then chain; returns k drafts [k] (lazy) and their q (sampling only)."""
         assert self.head is not None and self.head_cache is not None
         hidden = self._pending_hidden[None]
         tokens = mx.array(self._pending_tokens)[None]
-        drafts: list[int] = []
+        self._pending_hidden, self._pending_tokens = None, []
+        drafts: list[mx.array] = []
         qs: list[mx.array] = []
-        for j in range(k):
+        for _ in range(k):
             logits, head_hidden = self.head(hidden, tokens, self.head_cache)
             self.head_forwards += 1
             last = logits[0, -1:]
@@ -168,21 +171,18 @@ class MTPDecoder:
                 q = probabilities(normalize_logits(last), self.params)
                 qs.append(q)
                 token = sample_from(q)
-            if j == 0:
-                self._pending_hidden = None
-                self._pending_tokens = []
-            d = int(token.item())
-            drafts.append(d)
-            hidden = head_hidden[:, -1:]
-            tokens = mx.array([[d]])
-        return drafts, (mx.concatenate(qs, axis=0) if qs else None)
+            drafts.append(token)
+            # chain on the head's own output; the token stays on the device (no sync)
+            hidden, tokens = head_hidden[:, -1:], token[None]
+        return mx.concatenate(drafts), (mx.concatenate(qs, axis=0) if qs else None)
 
     # -- steps -----------------------------------------------------------------------
     def _prefill(self, prompt: mx.array) -> tuple[mx.array, mx.array]:
         """Feed the prompt; return processed log-probs [1, V] of its last position and all hiddens."""
         logits, hiddens = prefill_with_hidden(self.model, prompt, self.cache, self.prefill_step_size)
         tokens = prompt.tolist()
-        self._history.extend(tokens[:-1])
+        if self.processors:
+            self._history.extend(tokens[:-1])
         return self._target(logits, tokens[-1:]), hiddens
 
     def _plain_step(self, y: int) -> tuple[int, mx.array]:
@@ -203,36 +203,40 @@ class MTPDecoder:
     def _cycle(self, y: int, k: int) -> list[tuple[int, mx.array, bool]] | None:
         """One draft -> verify -> accept/rollback cycle; None when it faulted."""
         try:
-            drafts, q = self._draft(k)
+            draft_arr, q = self._draft(k)
+            # processors need the drafts' values for their history; otherwise stay lazy
+            drafts = draft_arr.tolist() if self.processors else None
         except Exception as exc:  # a broken head must not cost the sequence a token
             self._fault(exc)
             return None
         self.machine.send(lc.draft(k))
         cp = rollback.checkpoint(self.cache)
         self.machine.send(lc.VERIFY)
-        fed = [y, *drafts]
         history_len = len(self._history)
         try:
-            logits, hidden = forward_with_hidden(self.model, mx.array([fed]), self.cache)
+            inputs = mx.concatenate([mx.array([y], dtype=draft_arr.dtype), draft_arr])[None]
+            logits, hidden = forward_with_hidden(self.model, inputs, self.cache)
             self.target_forwards += 1
-            logprobs = self._target(logits[0], fed)
+            logprobs = self._target(logits[0], None if drafts is None else [y, *drafts])
             if self.params.greedy:
-                targets = self._choose(logprobs).tolist()
+                targets_arr = self._choose(logprobs)
+                mx.eval(targets_arr, draft_arr)  # the cycle's one sync
+                targets, drafts = targets_arr.tolist(), draft_arr.tolist()
                 a = accept_greedy(drafts, targets)
                 bonus = targets[a]
             else:
-                p = probabilities(logprobs, self.params)
-                a, bonus = accept_sampled(drafts, q, p)
+                drafts = draft_arr.tolist()
+                a, bonus = accept_sampled(drafts, q, probabilities(logprobs, self.params))
         except Exception as exc:
             rollback.restore(self.cache, cp)
             del self._history[history_len:]
             self._fault(exc)
             return None
         self.machine.send(lc.verified(a))
-        kept = fed[: a + 1]
+        fed = [y, *drafts]
         self._forget(k - a)
         if rollback.rollback(self.cache, cp, fed=k + 1, keep=a + 1):
-            _, hidden = forward_with_hidden(self.model, mx.array([kept]), self.cache)
+            _, hidden = forward_with_hidden(self.model, mx.array([fed[: a + 1]]), self.cache)
             self.replay_forwards += 1
         rollback.trim_all(self.head_cache, k - 1)  # the chained, speculative head entries
         self._queue_pairs(hidden[0, : a + 1], [*drafts[:a], bonus])
