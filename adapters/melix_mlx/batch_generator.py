@@ -469,7 +469,7 @@ class MTPBatchGenerator:
         for i in spec:
             remaining = states[i].max_tokens - states[i].num_generated
             k_rows[i] = max(1, min(states[i].k, remaining - 1))
-        drafts: list[list[int]] = [[] for _ in rows]
+        drafts: mx.array | None = None
         qs: list[mx.array | None] = [None] * len(rows)
         K = max(k_rows) if spec else 0
         if spec:
@@ -477,7 +477,7 @@ class MTPBatchGenerator:
                 drafts, qs = self._draft(rows, states, spec, k_rows, K)
             except Exception as exc:  # the head failed: those rows continue plainly
                 self._fault_rows([rows[i].uid for i in spec], exc)
-                spec, K, k_rows = [], 0, [0] * len(rows)
+                spec, K, k_rows, drafts = [], 0, [0] * len(rows), None
             else:
                 draft_events = {rows[i].uid: lc.draft(k_rows[i]) for i in spec}
                 self.batch.step(draft_events)
@@ -487,8 +487,13 @@ class MTPBatchGenerator:
 
     def _draft(
         self, rows: tuple[Row, ...], states: list[RowState], spec: list[int], k_rows: list[int], K: int
-    ) -> tuple[list[list[int]], list[mx.array | None]]:
-        """Catch every live head row up and draft k_rows[i] tokens for speculating rows."""
+    ) -> tuple[mx.array, list[mx.array | None]]:
+        """Catch every live head row up, then draft K tokens per row: drafts [B, K], lazy.
+
+        Column j of row i is a real draft only for speculating rows with j < k_rows[i];
+        the rest is padding the verify rolls back. Drafts stay on the device until the
+        verify's single sync.
+        """
         B = len(rows)
         alive = [rows[i].state not in _HEAD_DEAD and states[i].pending_tokens for i in range(B)]
         width = max(len(states[i].pending_tokens) for i in spec)
@@ -510,32 +515,23 @@ class MTPBatchGenerator:
         last = mx.array([max(r - 1, 0) for r in real])
         step_logits = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
         step_hidden = mx.take_along_axis(head_hidden, last[:, None, None], axis=1)
-        drafts: list[list[int]] = [[] for _ in range(B)]
+        sampled = [i for i in spec if not states[i].params.greedy]
         qs: list[list[mx.array]] = [[] for _ in range(B)]
+        columns: list[mx.array] = []
         for j in range(K):
             if j > 0:
-                tokens = mx.array([[drafts[i][-1] if drafts[i] else 0] for i in range(B)])
-                logits, step_hidden = self.head(step_hidden, tokens, self.head_cache)
+                logits, step_hidden = self.head(step_hidden, columns[-1][:, None], self.head_cache)
                 self.head_forwards += 1
                 step_logits = logits[:, 0]
-            drafting = [i for i in spec if j < k_rows[i]]
-            chosen = self._draft_tokens(step_logits, states, drafting, qs)
-            for i in drafting:
-                drafts[i].append(chosen[i])
+            column = mx.argmax(step_logits, axis=-1)
+            for i in sampled:
+                if j < k_rows[i]:
+                    q = probabilities(normalize_logits(step_logits[i : i + 1]), states[i].params)
+                    qs[i].append(q)
+                    column = mx.where(mx.arange(B) == i, sample_from(q).astype(column.dtype), column)
+            columns.append(column)
         q_arrays = [mx.concatenate(q, axis=0) if q else None for q in qs]
-        return drafts, q_arrays
-
-    def _draft_tokens(
-        self, logits: mx.array, states: list[RowState], spec: list[int], qs: list[list[mx.array]]
-    ) -> list[int]:
-        greedy = mx.argmax(logits, axis=-1).tolist()
-        for i in spec:
-            params = states[i].params
-            if not params.greedy:
-                q = probabilities(normalize_logits(logits[i : i + 1]), params)
-                qs[i].append(q)
-                greedy[i] = int(sample_from(q).item())
-        return greedy
+        return mx.stack(columns, axis=1), q_arrays
 
     def _verify(
         self,
@@ -544,13 +540,14 @@ class MTPBatchGenerator:
         spec: list[int],
         k_rows: list[int],
         K: int,
-        drafts: list[list[int]],
+        drafts: mx.array | None,
         qs: list[mx.array | None],
     ) -> list[MTPResponse]:
         B = len(rows)
         spec_set = set(spec)
-        fed = [[states[i].y, *drafts[i]] for i in range(B)]
-        inputs = mx.array([f + [0] * (K + 1 - len(f)) for f in fed])
+        inputs = mx.array([[s.y] for s in states], dtype=mx.uint32)
+        if drafts is not None:
+            inputs = mx.concatenate([inputs, drafts.astype(mx.uint32)], axis=1)
         checkpoint = arrays_checkpoint(self.cache)
         if spec:
             self.batch.step({rows[i].uid: lc.VERIFY for i in spec})
@@ -560,11 +557,21 @@ class MTPBatchGenerator:
             logits, hidden = forward_with_hidden(self.model, inputs, self.cache)
             self.target_forwards += 1
             self.row_forwards += B
+            logprobs = normalize_logits(logits)  # rows with logits processors are redone below
+            targets = mx.argmax(logprobs, axis=-1)
+            mx.eval(targets, inputs)  # the step's one sync
+            fed, targets_list = inputs.tolist(), targets.tolist()
             outcomes = []
             for i in range(B):
                 n = k_rows[i] + 1 if i in spec_set else 1
-                logprobs = self._process(states[i], logits[i], fed[i], n)
-                outcomes.append(self._decide(states[i], drafts[i], qs[i], logprobs, i in spec_set))
+                row_drafts = fed[i][1:n]
+                row_logprobs, row_targets = logprobs[i], targets_list[i]
+                if states[i].processors:
+                    row_logprobs = self._process(states[i], logits[i], fed[i], n)
+                    row_targets = mx.argmax(row_logprobs, axis=-1).tolist()
+                outcomes.append(
+                    self._decide(states[i], row_drafts, qs[i], row_logprobs, row_targets, i in spec_set)
+                )
         except Exception as exc:
             rollback_rows(self.cache, checkpoint, K + 1, [0] * B)  # undo the whole forward
             if not spec:
@@ -591,13 +598,14 @@ class MTPBatchGenerator:
         finished = []
         for i in range(B):
             uid, state = rows[i].uid, states[i]
-            a, bonus, logprobs = outcomes[i]
+            a, bonus, row_logprobs = outcomes[i]
+            accepted = fed[i][1 : a + 1]
             self._record(uid, step_events[uid])
             state.context.extend(fed[i][: a + 1])
             if rows[i].state not in _HEAD_DEAD:
-                state.queue(hidden[i, : a + 1], [*drafts[i][:a], bonus])
-            emitted = [(d, logprobs[j], True) for j, d in enumerate(drafts[i][:a])]
-            emitted.append((bonus, logprobs[a], False))
+                state.queue(hidden[i, : a + 1], [*accepted, bonus])
+            emitted = [(d, row_logprobs[j], True) for j, d in enumerate(accepted)]
+            emitted.append((bonus, row_logprobs[a], False))
             state.y = bonus
             for token, lp, from_draft in emitted:
                 if self._emit(uid, state, token, lp, from_draft, out):
@@ -613,16 +621,18 @@ class MTPBatchGenerator:
         drafts: list[int],
         q: mx.array | None,
         logprobs: mx.array,
+        targets: list[int],
         speculating: bool,
     ) -> tuple[int, int, mx.array]:
         """(accepted count, token after the accepted prefix, processed log-probs)."""
         if not speculating:
+            if state.sampler is greedy_sampler:
+                return 0, targets[0], logprobs
             return 0, int(state.sampler(logprobs[0:1]).item()), logprobs
         if state.params.greedy:
-            targets = mx.argmax(logprobs, axis=-1).tolist()
             a = accept_greedy(drafts, targets)
             return a, targets[a], logprobs
-        a, token = accept_sampled(drafts, q, probabilities(logprobs, state.params))
+        a, token = accept_sampled(drafts, q, probabilities(logprobs[: len(drafts) + 1], state.params))
         return a, token, logprobs
 
     # -- emission, faults, reshaping -------------------------------------------------
