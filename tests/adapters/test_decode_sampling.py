@@ -180,9 +180,7 @@ def test_same_seed_same_tokens(setup) -> None:
 
     def run(seed: int) -> list[int]:
         mx.random.seed(seed)
-        out = mtp_stream_generate(
-            model, tokenizer, "Seeded", head, 16, num_draft_tokens=2, sampler=sampler
-        )
+        out = mtp_stream_generate(model, tokenizer, "Seeded", head, 16, num_draft_tokens=2, sampler=sampler)
         return [r.token for r in out]
 
     first = run(3)
