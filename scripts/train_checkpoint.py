@@ -22,7 +22,15 @@ Rules this script keeps:
   ``>= first_k_dense_replace``), ``logits = shared_head.head(shared_head.norm(x))``. The head
   shares the main ``embed_tokens`` and ``lm_head`` (frozen while it trains); like the public
   DeepSeek-V3 checkpoint, copies are stored under the head as ``embed_tokens`` and
-  ``shared_head.head``. It is trained by self-distillation against a frozen main model.
+  ``shared_head.head``. It is trained by self-distillation against a frozen main model:
+  the target at pair i is the main model's argmax at i+1 (``--head-target distill``). On the
+  same 300-step main model and 100 head steps, held-out k=1 acceptance was 0.60 for it, 0.50
+  for full-distribution distillation (``soft``) and 0.43 for the data token t_{i+2}
+  (``data``): acceptance is agreement with the main model, so imitate the main model.
+* Evaluation: k=1 teacher-forced on held-out text (exact for k=1), and k=1..3 on the main
+  model's own greedy continuations of held-out prompts, where teacher forcing equals real
+  greedy verification; depth > 1 chains the head on its own output, both with the pre-norm
+  and the post-``shared_head.norm`` hidden (the better one is recorded as ``chain_hidden``).
 * Head tensors live in ``mtp.safetensors`` under ``model.layers.{num_hidden_layers}.*``;
   ``model.safetensors`` holds the main model only. Why: mlx-lm 0.32's deepseek_v3
   ``sanitize`` drops only the literal prefix ``model.layers.61``, so a head at any other index
@@ -332,7 +340,7 @@ def train_main(
     rng: np.random.Generator,
     log: Callable[[str], None],
 ) -> list[tuple[int, float]]:
-    opt = optim.AdamW(learning_rate=lr_schedule(lr, steps, min(100, steps // 10)),
+    opt = optim.AdamW(learning_rate=lr_schedule(lr, steps, max(1, min(100, steps // 10))),
                       weight_decay=0.01)
 
     def loss_fn(m: dsv3.Model, x: mx.array, y: mx.array) -> mx.array:
@@ -384,13 +392,15 @@ def train_head(
     if gate is not None:
         # Aux-loss-free balancing (DeepSeek-V3): the bias is moved by load, not by gradients.
         gate.freeze(keys=["e_score_correction_bias"])
-    opt = optim.AdamW(learning_rate=lr_schedule(lr, steps, min(50, steps // 10)),
+    opt = optim.AdamW(learning_rate=lr_schedule(lr, steps, max(1, min(50, steps // 10))),
                       weight_decay=0.01)
 
     def loss_fn(hd: MTPHead, w: mx.array) -> tuple[mx.array, mx.array]:
         h = mx.stop_gradient(main.model(w))  # post-norm hidden, (B, T, D)
         if target == "distill":
             tgt = mx.stop_gradient(mx.argmax(main.lm_head(h[:, 1:]), axis=-1))
+        elif target == "soft":  # the main model's whole next-token distribution
+            tgt = mx.stop_gradient(mx.softmax(main.lm_head(h[:, 1:]), axis=-1))
         else:
             tgt = w[:, 2:]
         emb = main.model.embed_tokens(w[:, 1:])
@@ -402,7 +412,7 @@ def train_head(
         x = x + hd.mlp(xn)
         logits = head_logits(hd, main, x)
         # Distillation has a target for all T pairs; the data token t_{i+2} for T-1.
-        if target == "distill":
+        if target in ("distill", "soft"):
             loss = nn.losses.cross_entropy(logits, tgt, reduction="mean")
         else:
             loss = nn.losses.cross_entropy(logits[:, :-1], tgt, reduction="mean")
@@ -657,14 +667,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=500, help="main-model optimizer steps")
-    ap.add_argument("--head-steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=300, help="main-model optimizer steps")
+    ap.add_argument("--head-steps", type=int, default=150)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--head-lr", type=float, default=3e-3)
+    ap.add_argument("--head-lr", type=float, default=5e-3)
     ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--head-target", choices=["distill", "data"], default="distill")
+    ap.add_argument("--head-target", choices=["distill", "soft", "data"], default="distill")
     ap.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     ap.add_argument("--eval-windows", type=int, default=64)
     ap.add_argument("--no-openblas", action="store_true")

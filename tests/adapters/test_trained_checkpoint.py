@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
 
 mx = pytest.importorskip("mlx.core")
@@ -46,7 +47,7 @@ def script() -> ModuleType:
     spec = importlib.util.spec_from_file_location("melix_train_checkpoint", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclass-free, but keep imports resolvable
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -141,10 +142,8 @@ def test_head_drafts_main_model_next_token(
     }
     head.load_weights(list(own.items()), strict=True)
     ids = tokenizer.encode(SCRIPT.read_text())[: 4 * 129]
-    windows = mx.array(ids).reshape(4, 129)
-    import numpy as np
-
-    result = script.eval_head_teacher_forced(head, model, np.array(windows))
+    windows = np.asarray(ids, dtype=np.int32).reshape(4, 129)
+    result = script.eval_head_teacher_forced(head, model, windows)
     report = json.loads((CKPT / "training_report.json").read_text())
     assert report["acceptance"]["teacher_forced_k1"]["head_vs_main_argmax"] >= 0.6
     assert result["head_vs_main_argmax"] >= 0.5, result
