@@ -109,6 +109,7 @@ class ConformanceDriver:
         self.requests: list[Tracked] = []
         self.by_uid: dict[Any, Tracked] = {}
         self.schedule: list[dict[str, Any]] = []
+        self.failed = False  # set by the first failure: the generator is then in an unknown state
 
     # -- operations ------------------------------------------------------------------
     def insert(self, specs: Sequence[RequestSpec]) -> list[int]:
@@ -320,6 +321,8 @@ class _Recording:
         self.driver.schedule.append(self.op)
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is not None:
+            self.driver.failed = True
         if isinstance(exc, ConformanceError) and not exc.schedule:
             exc.attach(self.driver.describe(), [dict(op) for op in self.driver.schedule])
 

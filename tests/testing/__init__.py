@@ -1,0 +1,1 @@
+"""Tests of the conformance kit (melix_fsm.testing)."""
