@@ -193,3 +193,7 @@ def test_driver_records_a_replayable_schedule() -> None:
     assert [op["op"] for op in d.schedule] == ["insert", "next", "remove", "drain"]
     assert d.requests[b].got == list(cut_at_stop(toy_reference((5,), 4), d.requests[b].spec.stops))
     assert set(PROPERTIES) >= {"tokens_match_reference", "legal_transitions", "row_order"}
+
+
+def test_conformance_fixture_runs_the_session_profile(conformance) -> None:
+    conformance(ToyGenerator, toy_reference, **TOY)
