@@ -58,6 +58,12 @@ class Counters(msgspec.Struct, kw_only=True):
         _add_lists(self.position_proposed, other.position_proposed)
         _add_lists(self.position_accepted, other.position_accepted)
 
+    def copy(self) -> Counters:
+        """An independent copy (reports and snapshots must not alias live counters)."""
+        out = Counters()
+        out.add(self)
+        return out
+
     def summary(self) -> dict[str, object]:
         """The raw counts plus the derived figures, as plain data."""
         out = msgspec.structs.asdict(self)

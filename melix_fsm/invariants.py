@@ -50,16 +50,10 @@ class Snapshot:
         return cls(
             uids=tuple(batch.uids),
             states={row.uid: row.state for row in batch},
-            counters={row.uid: _copy(row.counters) for row in batch},
+            counters={row.uid: row.counters.copy() for row in batch},
             payload_ids={row.uid: id(row.payload) for row in batch},
             totals=batch.totals(),
         )
-
-
-def _copy(c: Counters) -> Counters:
-    out = Counters()
-    out.add(c)
-    return out
 
 
 def check_unique_uids(batch: Batch) -> None:

@@ -333,9 +333,9 @@ class MTPBatchGenerator:
         self._events.setdefault(uid, []).append(signal)
 
     def _counters_of(self, uid: Any) -> Any:
-        if uid in self.batch:
-            return self.batch.row(uid).counters
-        return self._retired_counters.get(uid)
+        """A snapshot of the row's counters: a report is plain data, not a live view."""
+        counters = self.batch.row(uid).counters if uid in self.batch else self._retired_counters.get(uid)
+        return counters.copy() if counters is not None else None
 
     def _apply_policy(self) -> None:
         """Feed the controller this step's outcomes; turn its action into lifecycle events."""

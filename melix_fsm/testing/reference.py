@@ -4,39 +4,29 @@ Rules of this module:
 - A reference decoder is any callable `(prompt: tuple[int, ...], max_tokens: int) ->
   tuple[int, ...]`: the tokens the generator under test must produce for that request
   (the kit cuts them at the request's stop sequences itself). It must be deterministic.
-- The defaults use mlx-lm, imported inside the functions only: `import melix_fsm.testing`
-  never imports mlx, so the core and its tests run where mlx is not installed.
-- `mlx_greedy_reference(model)` is mlx-lm's own single-sequence greedy decoding
-  (`mlx_lm.generate.generate_step`) of the same model object. Greedy decoding is
-  prefix-consistent, so it runs each prompt once, at the longest length asked so far, and
-  answers shorter requests by slicing.
+- The defaults are mlx-lm's own greedy decoding and stop sequences, implemented in
+  `melix_mlx.reference` and loaded only when called: `import melix_fsm.testing` never
+  imports mlx, so the core and its tests run where mlx is not installed.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 Reference = Callable[[tuple[int, ...], int], tuple[int, ...]]
 
 
+def _mlx_reference_module() -> Any:
+    # The defaults live with the mlx-lm glue; importing them by name keeps this package
+    # free of mlx until a caller actually asks for the default reference.
+    return importlib.import_module("melix_mlx.reference")
+
+
 def mlx_greedy_reference(model: Any, *, min_tokens: int = 10) -> Reference:
-    """mlx-lm's greedy `generate_step` on `model`, memoized per prompt (see module rules)."""
-    runs: dict[tuple[int, ...], tuple[int, ...]] = {}
-
-    def reference(prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
-        import mlx.core as mx  # lazy: the kit must import without mlx
-        from mlx_lm.generate import generate_step
-
-        prompt = tuple(int(t) for t in prompt)
-        known = runs.get(prompt, ())
-        if len(known) < max_tokens:
-            n = max(max_tokens, min_tokens, 2 * len(known))  # rerun rarely, and not much longer
-            known = tuple(int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n))
-            runs[prompt] = known
-        return known[:max_tokens]
-
-    return reference
+    """mlx-lm's greedy `generate_step` on `model`, memoized per prompt."""
+    return _mlx_reference_module().greedy_reference(model, min_tokens=min_tokens)
 
 
 def memoized(reference: Reference) -> Reference:
@@ -55,9 +45,7 @@ def memoized(reference: Reference) -> Reference:
 
 def mlx_stop_sequences(stops: Sequence[Sequence[int]]) -> Any:
     """mlx-lm's `StopSequences` for one request (what `BatchGenerator.insert` takes)."""
-    from mlx_lm.generate import StopSequences  # lazy, as above
-
-    return StopSequences([list(s) for s in stops] or None)
+    return _mlx_reference_module().stop_sequences(stops)
 
 
 def cut_at_stop(tokens: Sequence[int], stops: Sequence[Sequence[int]]) -> tuple[int, ...]:
