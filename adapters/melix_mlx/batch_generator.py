@@ -32,7 +32,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import mlx.core as mx
@@ -55,10 +55,10 @@ from melix_fsm.report import RowReport, StepReport
 
 from . import rollback
 from .batch_cache import arrays_checkpoint, drop_row_suffixes, ragged_forward, rollback_rows
+from .batch_rows import InsertRequest, MTPResponse, RowState
 from .hidden import forward_with_hidden
 from .prefill import prefill_with_hidden
 from .sampling import (
-    SamplingParams,
     accept_greedy,
     accept_sampled,
     normalize_logits,
@@ -69,68 +69,6 @@ from .sampling import (
 
 _CYCLE_READY = frozenset({State("admitted"), State("accepted"), State("rolled_back")})
 _HEAD_DEAD = frozenset({State("refused"), State("faulted"), State("finished")})
-
-
-@dataclass
-class MTPResponse:
-    """mlx-lm's GenerationBatch.Response fields, plus `from_draft` and final `stats`."""
-
-    uid: int
-    token: int
-    logprobs: mx.array
-    finish_reason: str | None
-    prompt_cache: list[Any] | None
-    all_tokens: list[int] | None
-    from_draft: bool = False
-    stats: dict[str, Any] | None = None
-
-
-@dataclass
-class RowState:
-    """The per-row speculative state kept in the Batch row's payload slot."""
-
-    context: list[int]  # every token in this row's main cache, in order
-    y: int  # the last emitted token, not yet fed to the main model
-    sampler: Any
-    params: SamplingParams | None
-    processors: tuple
-    max_tokens: int
-    matcher: Any
-    k: int
-    num_generated: int = 0
-    refusal: str | None = None
-    fault: str | None = None
-    pending_hidden: mx.array | None = None  # [L, D] main hiddens not yet fed to the head
-    pending_tokens: list[int] = field(default_factory=list)
-
-    def queue(self, hidden: mx.array, tokens: list[int]) -> None:
-        if self.pending_hidden is None:
-            self.pending_hidden = hidden
-        else:
-            self.pending_hidden = mx.concatenate([self.pending_hidden, hidden], axis=0)
-        self.pending_tokens.extend(tokens)
-
-    def take(self, n: int) -> tuple[mx.array, list[int]]:
-        hidden, tokens = self.pending_hidden[:n], self.pending_tokens[:n]
-        if n >= len(self.pending_tokens):
-            self.pending_hidden, self.pending_tokens = None, []
-        else:
-            self.pending_hidden = self.pending_hidden[n:]
-            self.pending_tokens = self.pending_tokens[n:]
-        return hidden, tokens
-
-
-@dataclass
-class _Request:
-    uid: int
-    prompt: list[int]
-    max_tokens: int
-    cache: list[Any] | None
-    all_tokens: list[int]
-    sampler: Any
-    processors: tuple
-    stop: StopSequences
-    k: int
 
 
 class MTPBatchGenerator:
@@ -176,7 +114,7 @@ class MTPBatchGenerator:
         self.batch = Batch()
         self.cache: list[Any] = []
         self.head_cache: list[Any] = []
-        self._queue: deque[_Request] = deque()
+        self._queue: deque[InsertRequest] = deque()
         self._uid_count = 0
         self._counters = BatchCounters()
         self.target_forwards = 0  # batched verify / plain forwards
@@ -259,7 +197,7 @@ class MTPBatchGenerator:
             if options["num_draft_tokens"][i] < 1:
                 raise ValueError(f"sequence {uid}'s num_draft_tokens must be >= 1")
             requests.append(
-                _Request(
+                InsertRequest(
                     uid,
                     list(prompt),
                     options["max_tokens"][i],
@@ -413,7 +351,7 @@ class MTPBatchGenerator:
             self._finish(finished, out)
         return responses
 
-    def _prefill(self, request: _Request) -> tuple[RowState, list[Any], list[Any]]:
+    def _prefill(self, request: InsertRequest) -> tuple[RowState, list[Any], list[Any]]:
         cache = request.cache or make_prompt_cache(self.model, self.max_kv_size)
         prompt = mx.array(request.prompt)
         logits, hiddens = prefill_with_hidden(self.model, prompt, cache, self.prefill_step_size)
