@@ -1,7 +1,19 @@
 """Train ``stdlib-tiny``: a small DeepSeek-V3 checkpoint with a trained native MTP head.
 
-The project's embedded default model (README main command, benchmarks). Everything is
-rebuilt from text present on every machine: the running interpreter's own standard library.
+The project's embedded default model (README main command, benchmarks), and with
+``--no-head`` its draft model ``stdlib-tiny-draft`` for mlx-lm's own speculative decoding.
+Everything is rebuilt from text present on every machine: the running interpreter's own
+standard library.
+
+Architecture: defaults are the embedded target, 8 dense main layers (hidden 192, MLP 512,
+4 MLA heads) and ONE dense MTP layer, so that, as in real MTP models (1 head layer against
+dozens of main layers), the head costs a small fraction of a main forward. ``--layers``,
+``--hidden``, ``--intermediate``, ``--heads`` change the main model; ``--moe-head`` makes
+the MTP layer MoE (``first_k_dense_replace = num_hidden_layers``; the default dense head
+uses ``num_hidden_layers + 1``, also a valid DeepSeek-V3 config). The tokenizer does not
+depend on any of these options (same files, same settings, same vocabulary), so every model
+trained by this script shares one ``tokenizer.json`` byte for byte; ``--tokenizer-like DIR``
+asserts it against another checkpoint.
 
 Rules this script keeps:
 
@@ -18,13 +30,13 @@ Rules this script keeps:
   mlx-lm's ``sanitize``: ``kv_b_proj`` re-joined from ``embed_q``/``unembed_out``, experts
   unstacked).
 * The MTP head follows DeepSeek-V3: ``x = eh_proj(cat[enorm(embed(t_{i+1})), hnorm(h_i)])``
-  (embedding first), one decoder layer (MLA; MoE because its index ``num_hidden_layers`` is
-  ``>= first_k_dense_replace``), ``logits = shared_head.head(shared_head.norm(x))``. The head
+  (embedding first), one decoder layer (MLA; dense by default, MoE with ``--moe-head``
+  because its index ``num_hidden_layers`` is then ``>= first_k_dense_replace``), ``logits = shared_head.head(shared_head.norm(x))``. The head
   shares the main ``embed_tokens`` and ``lm_head`` (frozen while it trains); like the public
   DeepSeek-V3 checkpoint, copies are stored under the head as ``embed_tokens`` and
   ``shared_head.head``. It is trained by self-distillation against a frozen main model:
   the target at pair i is the main model's argmax at i+1 (``--head-target distill``). On the
-  same 300-step main model and 100 head steps, held-out k=1 acceptance was 0.60 for it, 0.50
+  earlier 2-layer checkpoint (300-step main model, MoE head, 100 head steps), held-out k=1 acceptance was 0.60 for it, 0.50
   for full-distribution distillation (``soft``) and 0.43 for the data token t_{i+2}
   (``data``): acceptance is agreement with the main model, so imitate the main model.
 * Evaluation: k=1 teacher-forced on held-out text (exact for k=1), and k=1..3 on the main
@@ -41,7 +53,14 @@ Rules this script keeps:
   exists and is not preloaded, the script re-executes itself with ``LD_PRELOAD`` (disable with
   ``--no-openblas``). Both paths work; the report records which BLAS ran.
 
-Usage: ``python scripts/train_checkpoint.py --out DIR [--seed S] [--steps N] [--head-steps N]``
+Usage::
+
+    python scripts/train_checkpoint.py --out adapters/melix_mlx/assets/stdlib-tiny
+    python scripts/train_checkpoint.py --out adapters/melix_mlx/assets/stdlib-tiny-draft \
+        --no-head --layers 2 --hidden 128 --intermediate 384 \
+        --tokenizer-like adapters/melix_mlx/assets/stdlib-tiny
+
+Other options: ``--seed S --steps N --head-steps N --moe-head --dtype ...`` (see ``--help``).
 """
 
 from __future__ import annotations
@@ -96,27 +115,41 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache  # noqa: E402
 # --------------------------------------------------------------------------------------
 
 
-def model_config(vocab_size: int, eos_id: int) -> dict[str, Any]:
-    """The checkpoint's config.json. Dense main layers; the MTP layer (index 2) is MoE."""
+def model_config(
+    vocab_size: int,
+    eos_id: int,
+    *,
+    layers: int = 8,
+    hidden: int = 192,
+    intermediate: int = 512,
+    heads: int = 4,
+    moe_head: bool = False,
+    moe_intermediate: int | None = None,
+    mtp: bool = True,
+) -> dict[str, Any]:
+    """The checkpoint's config.json. Main layers are dense. The MTP layer (index ``layers``)
+    is dense by default (``first_k_dense_replace = layers + 1 > num_hidden_layers``, a valid
+    DeepSeek-V3 config); ``moe_head`` makes it MoE (``first_k_dense_replace = layers``).
+    ``mtp=False`` (a draft model) advertises no MTP layer."""
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
         "vocab_size": vocab_size,
-        "hidden_size": 128,
-        "intermediate_size": 384,
-        "moe_intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_nextn_predict_layers": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "moe_intermediate_size": moe_intermediate or hidden,
+        "num_hidden_layers": layers,
+        "num_nextn_predict_layers": 1 if mtp else 0,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
         # q_lora_rank null -> plain q_proj (as DeepSeek-V2-Lite); MLA KV compression kept.
         "q_lora_rank": None,
         "kv_lora_rank": 64,
         "qk_nope_head_dim": 32,
         "qk_rope_head_dim": 16,
         "v_head_dim": 32,
-        # MoE only where the layer index >= first_k_dense_replace: i.e. the MTP layer.
-        "first_k_dense_replace": 2,
+        # MoE only where the layer index >= first_k_dense_replace: the MTP layer, or none.
+        "first_k_dense_replace": layers if moe_head else layers + 1,
         "moe_layer_freq": 1,
         "n_routed_experts": 4,
         "n_shared_experts": 1,
@@ -571,7 +604,7 @@ def eval_head_decode(
 def save_checkpoint(
     out: Path,
     main: dsv3.Model,
-    head: MTPHead,
+    head: MTPHead | None,
     config: dict[str, Any],
     tok: Any,
     dtype: mx.Dtype,
@@ -586,9 +619,14 @@ def save_checkpoint(
             for k, v in sorted(d.items())
         }
 
-    main_w, head_w = cast(main_to_hf(main)), cast(head_to_hf(head, main))
+    main_w = cast(main_to_hf(main))
+    head_w = cast(head_to_hf(head, main)) if head is not None else {}
     mx.save_safetensors(str(out / "model.safetensors"), main_w, metadata=meta)
-    mx.save_safetensors(str(out / "mtp.safetensors"), head_w, metadata=meta)
+    stale = out / "mtp.safetensors"
+    if head_w:
+        mx.save_safetensors(str(stale), head_w, metadata=meta)
+    elif stale.exists():  # a draft model written over a checkpoint that had a head
+        stale.unlink()
     size = sum(v.nbytes for v in main_w.values()) + sum(v.nbytes for v in head_w.values())
     weight_map = {k: "model.safetensors" for k in main_w}
     weight_map.update({k: "mtp.safetensors" for k in head_w})
@@ -609,11 +647,12 @@ def save_checkpoint(
     return {
         name: hashlib.sha256((out / name).read_bytes()).hexdigest()
         for name in ("model.safetensors", "mtp.safetensors", "tokenizer.json")
+        if (out / name).exists()
     }
 
 
 def verify_checkpoint(
-    out: Path, main: dsv3.Model, head: MTPHead, windows: np.ndarray
+    out: Path, main: dsv3.Model, head: MTPHead | None, windows: np.ndarray
 ) -> dict[str, Any]:
     """mlx_lm.load the saved directory; compare main logits and (via our own inverse
     mapping) head logits with the in-memory models."""
@@ -625,6 +664,16 @@ def verify_checkpoint(
     got = loaded(w).astype(mx.float32)
     main_diff = mx.abs(ref - got).max().item()
     same_argmax = (mx.argmax(ref, -1) == mx.argmax(got, -1)).mean().item()
+    prompt = "import os\n\n\ndef "
+    text = mlx_lm.generate(loaded, tokenizer, prompt, max_tokens=48, verbose=False)
+    result: dict[str, Any] = {
+        "mlx_lm_load": "ok",
+        "main_logits_max_abs_diff": main_diff,
+        "main_argmax_agreement": same_argmax,
+    }
+    if head is None:
+        result["greedy_sample"] = {"prompt": prompt, "completion": text}
+        return result
 
     args = main.args
     weights = mx.load(str(out / "mtp.safetensors"))
@@ -640,12 +689,8 @@ def verify_checkpoint(
     a = head_logits(head, main, head.hidden(h[:, :-1], e))
     b = head_logits(fresh, main, fresh.hidden(h[:, :-1], e))
     head_diff = mx.abs(a - b).max().item()
-    prompt = "import os\n\n\ndef "
-    text = mlx_lm.generate(loaded, tokenizer, prompt, max_tokens=48, verbose=False)
     return {
-        "mlx_lm_load": "ok",
-        "main_logits_max_abs_diff": main_diff,
-        "main_argmax_agreement": same_argmax,
+        **result,
         "head_logits_max_abs_diff": head_diff,
         "head_tensors_shared_equal": bool(
             mx.array_equal(weights[f"{prefix}.shared_head.head.weight"],
@@ -677,6 +722,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-target", choices=["distill", "soft", "data"], default="distill")
     ap.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     ap.add_argument("--eval-windows", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=8, help="main decoder layers")
+    ap.add_argument("--hidden", type=int, default=192)
+    ap.add_argument("--intermediate", type=int, default=512, help="dense MLP width")
+    ap.add_argument("--heads", type=int, default=4, help="attention heads")
+    ap.add_argument("--moe-head", action="store_true",
+                    help="MoE MTP layer (first_k_dense_replace = layers); default dense")
+    ap.add_argument("--moe-intermediate", type=int, default=None,
+                    help="expert width for --moe-head (default: hidden)")
+    ap.add_argument("--no-head", action="store_true",
+                    help="train and save the main model only (a draft model)")
+    ap.add_argument("--tokenizer-like", type=Path, default=None,
+                    help="assert the written tokenizer files equal this checkpoint's")
     ap.add_argument("--no-openblas", action="store_true")
     opts = ap.parse_args(argv)
     _maybe_reexec_with_openblas([__file__, *argv], opts.no_openblas)
@@ -708,13 +765,21 @@ def main(argv: list[str] | None = None) -> int:
     log(f"tokenizer vocab {tok.get_vocab_size()}; {len(train_ids)} train tokens, "
         f"{len(held_ids)} held-out tokens")
 
-    config = model_config(tok.get_vocab_size(), eos_id)
+    config = model_config(
+        tok.get_vocab_size(), eos_id, layers=opts.layers, hidden=opts.hidden,
+        intermediate=opts.intermediate, heads=opts.heads, moe_head=opts.moe_head,
+        moe_intermediate=opts.moe_intermediate, mtp=not opts.no_head,
+    )
     args = dsv3.ModelArgs.from_dict(config)
     main_model = dsv3.Model(args)
-    head = MTPHead(args)
+    # The head is always constructed (same mx.random draws as with a head, so the main
+    # model's init does not depend on --no-head), but only trained and saved with a head.
+    head: MTPHead | None = MTPHead(args)
     mx.eval(main_model.parameters(), head.parameters())
     n_main = sum(v.size for _, v in tree_flatten(main_model.parameters()))
     n_head = sum(v.size for _, v in tree_flatten(head.parameters()))
+    if opts.no_head:
+        head, n_head = None, 0
     log(f"main params {n_main}, head params {n_head} (+ shared embed/lm_head)")
 
     t = time.time()
@@ -728,26 +793,45 @@ def main(argv: list[str] | None = None) -> int:
     log(f"held-out loss {held_loss:.3f} ({held_loss * len(held_ids) / n_bytes / math.log(2):.3f} "
         f"bits/byte estimate)")
 
-    t = time.time()
-    head_curve = train_head(head, main_model, train_ids, steps=opts.head_steps,
-                            batch=opts.batch, length=opts.seq_len, lr=opts.head_lr,
-                            target=opts.head_target, bias_rate=1e-2, rng=rng, log=log)
-    timings["head_train_s"] = round(time.time() - t, 2)
+    head_curve: list[tuple[int, float]] = []
+    acceptance: dict[str, Any] | None = None
+    if head is not None:
+        t = time.time()
+        head_curve = train_head(head, main_model, train_ids, steps=opts.head_steps,
+                                batch=opts.batch, length=opts.seq_len, lr=opts.head_lr,
+                                target=opts.head_target, bias_rate=1e-2, rng=rng, log=log)
+        timings["head_train_s"] = round(time.time() - t, 2)
 
-    t = time.time()
-    tf = eval_head_teacher_forced(head, main_model, eval_w)
-    log(f"teacher-forced k=1 acceptance {tf['head_vs_main_argmax']:.3f}")
-    # Prompts: the first 64 tokens of held-out windows; 64 greedy tokens each.
-    prompts = eval_w[:32, :64]
-    decode = {c: eval_head_decode(head, main_model, prompts, new_tokens=64, depth=3, chain=c)
-              for c in ("post", "pre")}
-    for c, r in decode.items():
-        log(f"decode acceptance chain={c}: {r['all_first_k_accepted']}")
-    best = max(decode, key=lambda c: sum(decode[c]["all_first_k_accepted"].values()))
-    timings["eval_s"] = round(time.time() - t, 2)
+        t = time.time()
+        tf = eval_head_teacher_forced(head, main_model, eval_w)
+        log(f"teacher-forced k=1 acceptance {tf['head_vs_main_argmax']:.3f}")
+        # Prompts: the first 64 tokens of held-out windows; 64 greedy tokens each.
+        prompts = eval_w[:32, :64]
+        decode = {
+            c: eval_head_decode(head, main_model, prompts, new_tokens=64, depth=3, chain=c)
+            for c in ("post", "pre")
+        }
+        for c, r in decode.items():
+            log(f"decode acceptance chain={c}: {r['all_first_k_accepted']}")
+        best = max(decode, key=lambda c: sum(decode[c]["all_first_k_accepted"].values()))
+        timings["eval_s"] = round(time.time() - t, 2)
+        acceptance = {
+            "teacher_forced_k1": tf,
+            "greedy_decode": decode,
+            "chain_hidden": best,
+            "chain_note": "depth>1 feeds the head's own output back as the hidden input "
+                          "with its own drafted token; 'post' = after shared_head.norm, "
+                          "'pre' = raw decoder-layer output",
+        }
 
     dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}[opts.dtype]
     hashes = save_checkpoint(opts.out, main_model, head, config, tok, dtype)
+    if opts.tokenizer_like is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            mine, theirs = (opts.out / name).read_bytes(), (opts.tokenizer_like / name).read_bytes()
+            if mine != theirs:
+                raise SystemExit(f"{name} differs from {opts.tokenizer_like / name}")
+        log(f"tokenizer files identical to {opts.tokenizer_like}")
     verify = verify_checkpoint(opts.out, main_model, head, eval_w)
     log(f"verify: {json.dumps({k: v for k, v in verify.items() if k != 'greedy_sample'})}")
     log(f"greedy sample: {verify['greedy_sample']['completion']!r}")
@@ -757,7 +841,7 @@ def main(argv: list[str] | None = None) -> int:
     import tokenizers
 
     report = {
-        "checkpoint": "stdlib-tiny",
+        "checkpoint": opts.out.name,
         "command": "python scripts/train_checkpoint.py " + " ".join(argv),
         "data": {
             "source": "sysconfig.get_paths()['stdlib'] top-level *.py, sorted, "
@@ -783,20 +867,15 @@ def main(argv: list[str] | None = None) -> int:
             "head_lr": opts.head_lr, "optimizer": "AdamW wd=0.01, clip 1.0, warmup+cosine",
             "main_loss_curve": main_curve, "head_loss_curve": head_curve,
             "held_out_main_loss": round(held_loss, 4),
-            "head_target": opts.head_target,
-            "head_moe_bias_balancing_rate": 1e-2,
+            "head_target": opts.head_target if head is not None else None,
+            "head_layer": None if head is None else ("moe" if opts.moe_head else "dense"),
+            "head_moe_bias_balancing_rate": 1e-2 if head is not None and opts.moe_head else None,
         },
-        "acceptance": {
-            "teacher_forced_k1": tf,
-            "greedy_decode": decode,
-            "chain_hidden": best,
-            "chain_note": "depth>1 feeds the head's own output back as the hidden input "
-                          "with its own drafted token; 'post' = after shared_head.norm, "
-                          "'pre' = raw decoder-layer output",
-        },
+        "acceptance": acceptance,
         "layout": {
             "main": "model.safetensors (HF DeepSeek-V3 names)",
-            "head": f"mtp.safetensors, prefix model.layers.{args.num_hidden_layers}.",
+            "head": None if head is None else
+                    f"mtp.safetensors, prefix model.layers.{args.num_hidden_layers}.",
             "shared_copies": "embed_tokens and shared_head.head are stored under the head; "
                              "equal to model.embed_tokens and lm_head",
             "dtype": opts.dtype,

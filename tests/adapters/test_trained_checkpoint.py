@@ -1,9 +1,12 @@
-"""Fast checks of the committed ``stdlib-tiny`` checkpoint (no training here).
+"""Fast checks of the committed ``stdlib-tiny`` checkpoints (no training here).
 
-It must load with plain ``mlx_lm.load``, advertise one DeepSeek-V3 MTP layer, carry that
+The target must load with plain ``mlx_lm.load``, advertise one DeepSeek-V3 MTP layer (dense,
+on a deeper main model, so the head is a small fraction of a main forward), carry that
 layer's tensors under their Hugging Face names, produce non-degenerate greedy text, and its
 head must still draft the main model's next token (the training script's own head module is
-the reference; the project's head loader is tested elsewhere).
+the reference; the project's head loader is tested elsewhere). The draft model
+(``stdlib-tiny-draft``, for mlx-lm's own speculative decoding) must load, share the target's
+tokenizer byte for byte, be much smaller, and produce non-degenerate text too.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ mlx_lm = pytest.importorskip("mlx_lm")
 
 ROOT = Path(__file__).resolve().parents[2]
 CKPT = ROOT / "adapters/melix_mlx/assets/stdlib-tiny"
+DRAFT = ROOT / "adapters/melix_mlx/assets/stdlib-tiny-draft"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 SCRIPT = ROOT / "scripts/train_checkpoint.py"
 
 pytestmark = pytest.mark.skipif(not (CKPT / "config.json").exists(), reason="no checkpoint")
@@ -35,6 +40,13 @@ def config() -> dict:
 @pytest.fixture(scope="module")
 def loaded():
     return mlx_lm.load(str(CKPT))
+
+
+@pytest.fixture(scope="module")
+def draft_loaded():
+    if not (DRAFT / "config.json").exists():
+        pytest.skip("no draft checkpoint")
+    return mlx_lm.load(str(DRAFT))
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +104,12 @@ def test_head_tensors_use_hf_names(config: dict, head_weights: dict) -> None:
         q_dim = heads * (config["qk_nope_head_dim"] + config["qk_rope_head_dim"])
         expected[f"{p}.self_attn.q_proj.weight"] = (q_dim, dims)
     moe = config.get("n_routed_experts") and n >= config["first_k_dense_replace"]
-    if moe:
+    if not moe:
+        inter = config["intermediate_size"]
+        expected[f"{p}.mlp.gate_proj.weight"] = (inter, dims)
+        expected[f"{p}.mlp.up_proj.weight"] = (inter, dims)
+        expected[f"{p}.mlp.down_proj.weight"] = (dims, inter)
+    else:
         inter = config["moe_intermediate_size"]
         expected[f"{p}.mlp.gate.weight"] = (config["n_routed_experts"], dims)
         expected[f"{p}.mlp.gate.e_score_correction_bias"] = (config["n_routed_experts"],)
@@ -117,8 +134,24 @@ def test_mlx_lm_loads_main_model_and_shared_copies_match(config: dict, loaded, h
     assert mx.array_equal(head_weights[f"{p}.embed_tokens.weight"], model.model.embed_tokens.weight)
 
 
-def test_greedy_output_is_not_degenerate(loaded) -> None:
-    model, tokenizer = loaded
+def test_head_is_a_small_fraction_of_the_main_model(config: dict, head_weights: dict) -> None:
+    """One dense head layer against a deep main stack: the head's own tensors (minus the
+    shared embedding/lm_head copies) are a small fraction of the main model's layers."""
+    assert config["num_hidden_layers"] >= 6
+    assert config["first_k_dense_replace"] > config["num_hidden_layers"]  # dense head
+    p = f"model.layers.{config['num_hidden_layers']}"
+    own = sum(
+        v.size for k, v in head_weights.items()
+        if not k.startswith((f"{p}.embed_tokens.", f"{p}.shared_head.head."))
+    )
+    main = mx.load(str(CKPT / "model.safetensors"))
+    layers = sum(v.size for k, v in main.items() if k.startswith("model.layers."))
+    assert own < 0.25 * layers, (own, layers)
+
+
+@pytest.mark.parametrize("which", ["target", "draft"])
+def test_greedy_output_is_not_degenerate(which: str, request) -> None:
+    model, tokenizer = request.getfixturevalue("loaded" if which == "target" else "draft_loaded")
     text = mlx_lm.generate(model, tokenizer, "import os\n\n\ndef ", max_tokens=64, verbose=False)
     ids = tokenizer.encode(text)
     assert len(ids) >= 16
@@ -147,3 +180,26 @@ def test_head_drafts_main_model_next_token(
     report = json.loads((CKPT / "training_report.json").read_text())
     assert report["acceptance"]["teacher_forced_k1"]["head_vs_main_argmax"] >= 0.6
     assert result["head_vs_main_argmax"] >= 0.5, result
+
+
+def test_draft_shares_the_tokenizer_and_is_small(config: dict, draft_loaded) -> None:
+    for name in TOKENIZER_FILES:
+        assert (DRAFT / name).read_bytes() == (CKPT / name).read_bytes(), name
+    draft_cfg = json.loads((DRAFT / "config.json").read_text())
+    assert draft_cfg["model_type"] == "deepseek_v3"
+    assert draft_cfg["vocab_size"] == config["vocab_size"]
+    assert draft_cfg["eos_token_id"] == config["eos_token_id"]
+    assert draft_cfg["num_nextn_predict_layers"] == 0
+    assert not (DRAFT / "mtp.safetensors").exists()
+    assert draft_cfg["num_hidden_layers"] < config["num_hidden_layers"]
+    draft_bytes = (DRAFT / "model.safetensors").stat().st_size
+    assert draft_bytes < 0.5 * (CKPT / "model.safetensors").stat().st_size
+    model, _ = draft_loaded
+    assert len(model.layers) == draft_cfg["num_hidden_layers"]
+
+
+@pytest.mark.parametrize("path", [CKPT, DRAFT], ids=["target", "draft"])
+def test_checkpoint_stays_small(path: Path) -> None:
+    if not (path / "config.json").exists():
+        pytest.skip("absent")
+    assert sum(f.stat().st_size for f in path.iterdir()) <= 20 * 2**20
