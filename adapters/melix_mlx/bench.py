@@ -7,6 +7,8 @@ Rules of this module:
   but only the ratios are claims.
 - Baselines: mlx-lm's `BatchGenerator` at the same batch size (every cell), mlx-lm's plain
   `stream_generate` and its `speculative_generate_step` with a draft model (batch 1).
+- Each batch cell runs three generators side by side: plain (mlx-lm), MTP forced on, and MTP
+  under the device policy's `auto` (the calibrated controller `generate` would use).
 - Throughput is generation tokens over generation time, prompt processing excluded, read
   from each generator's own counters (mlx-lm's `BatchStats` for both batch generators,
   `generation_tps` of the last response for the single-sequence paths).
@@ -33,7 +35,14 @@ import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, stream_generate
 from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
 
-from melix_fsm.policy import TimingTable, expected_tokens_from_positions
+from melix_fsm.policy import (
+    ActivationController,
+    Policy,
+    TimingTable,
+    acceptance_prior,
+    decide,
+    expected_tokens_from_positions,
+)
 from melix_fsm.telemetry import loaded_blas, read_proc_maps
 
 from .batch_generator import MTPBatchGenerator
@@ -72,6 +81,10 @@ class Cell:
     baseline_peak_memory_gb: float = 0.0
     predicted_ratio: float | None = None
     measured_over_predicted: float | None = None
+    auto_tps: float | None = None  # device policy auto (calibrated controller), same cell
+    auto_over_plain: float | None = None
+    auto_over_force_on: float | None = None
+    auto_gate: str | None = None
     samples: list[tuple[float, float]] = field(default_factory=list)
 
 
@@ -177,6 +190,7 @@ class Bench:
         cell = Cell("batch", batch_size, k, temp)
         prompts = self._prompts(batch_size)
         spec_stats = None
+        auto_samples: list[float] = []
         for r in range(self.repeats):
             mx.random.seed(r)
             base = BatchGenerator(self.model, max_tokens=self.max_tokens, sampler=_sampler(temp, False))
@@ -194,12 +208,49 @@ class Bench:
             stats = gen.speculative_stats()
             spec_stats = stats if spec_stats is None else spec_stats
             cell.samples.append((b_tps, m_tps))
+            controller = self._controller(k, batch_size)
+            if controller is not None:
+                mx.random.seed(r)
+                auto = MTPBatchGenerator(
+                    self.model,
+                    self.head,
+                    num_draft_tokens=k,
+                    max_tokens=self.max_tokens,
+                    sampler=_sampler(temp, True),
+                    controller=controller,
+                )
+                auto_samples.append(_run_batch(auto, prompts, self.max_tokens)[0])
             cell.peak_memory_gb = max(cell.peak_memory_gb, m_mem)
             cell.baseline_peak_memory_gb = max(cell.baseline_peak_memory_gb, b_mem)
             cell.target_forwards_per_token = stats["row_forwards"] / max(tokens, 1)
             self.progress(1)
         self._finish(cell, spec_stats)
+        if auto_samples:
+            pairs = list(zip(cell.samples, auto_samples))
+            cell.auto_tps = _median(auto_samples)
+            cell.auto_over_plain = _median(a / b for (b, _), a in pairs if b > 0)
+            cell.auto_over_force_on = _median(a / m for (_, m), a in pairs if m > 0)
+            cell.auto_gate = self._gate(k, batch_size)
         return cell
+
+    def _decision(self, k: int, batch_size: int) -> Any:
+        table = self.timings.get(k)
+        if table is None:
+            return None, None
+        timings, _ = table.at(batch_size)
+        prior = acceptance_prior(self.family)
+        return decide(timings, Policy.auto, prior), prior
+
+    def _gate(self, k: int, batch_size: int) -> str | None:
+        decision, _ = self._decision(k, batch_size)
+        return None if decision is None else decision.hardware_gate.value
+
+    def _controller(self, k: int, batch_size: int) -> ActivationController | None:
+        """What `generate --device-policy auto` would run with at this batch size."""
+        decision, prior = self._decision(k, batch_size)
+        if decision is None:
+            return None
+        return ActivationController(self.timings[k], prior=prior, active=decision.speculate)
 
     def single_cell(self, k: int, temp: float) -> Cell:
         cell = Cell("single", 1, k, temp)

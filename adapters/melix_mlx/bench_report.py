@@ -24,7 +24,8 @@ def table(results: dict[str, Any]) -> str:
         f"regime: device={r['device']} blas={r['blas']} dtype={r.get('dtype')} mlx={r['mlx']} "
         f"mlx_lm={r['mlx_lm']}",
         f"{'path':6} {'B':>2} {'k':>2} {'T':>4} {'tok/s':>8} {'base':>8} {'ratio':>6} {'pred':>6} "
-        f"{'m/p':>5} {'acc':>5} {'tau':>5} {'fwd/tok':>7} {'memGB':>6} {'baseGB':>6}  per-position",
+        f"{'m/p':>5} {'acc':>5} {'tau':>5} {'fwd/tok':>7} {'memGB':>6} {'baseGB':>6} {'auto':>5} {'a/on':>5} "
+        "gate      per-position",
     ]
     for k, entry in results.get("calibration", {}).items():
         if isinstance(entry, dict) and "error" in entry:
@@ -35,8 +36,9 @@ def table(results: dict[str, Any]) -> str:
             f"{c['baseline_tps']:>8.1f} {c['ratio']:>6.2f} {_fmt(c['predicted_ratio']):>6} "
             f"{_fmt(c['measured_over_predicted']):>5} {_fmt(c['acceptance_rate']):>5} "
             f"{_fmt(c['mean_acceptance_length']):>5} {_fmt(c['target_forwards_per_token']):>7} "
-            f"{c['peak_memory_gb']:>6.3f} {c['baseline_peak_memory_gb']:>6.3f}  "
-            + " ".join(f"{p:.2f}" for p in c["per_position_acceptance"])
+            f"{c['peak_memory_gb']:>6.3f} {c['baseline_peak_memory_gb']:>6.3f} "
+            f"{_fmt(c.get('auto_over_plain')):>5} {_fmt(c.get('auto_over_force_on')):>5} "
+            f"{(c.get('auto_gate') or '-'):9} " + " ".join(f"{p:.2f}" for p in c["per_position_acceptance"])
         )
     for d in results.get("draft_cells", []):
         lines.append(
