@@ -110,9 +110,14 @@ class MTPDecoder:
         return None
 
     def _resolve(self) -> None:
-        if self.machine.state is not lc.INITIAL:
-            return  # the caller resolved it (e.g. from a receipt)
-        self.machine.send(lc.REFUSE if self.refusal else lc.ADMIT)
+        if self.machine.state is lc.INITIAL:
+            reason = self.refusal or ""
+            self.machine.send(lc.Signal(event=(lc.REFUSE if self.refusal else lc.ADMIT).event, reason=reason))
+        elif self.refusal and self.machine.allows(lc.SUSPEND.event):
+            # Admitted before loading (by a receipt), refused by what only the loaded
+            # decoder knows (sampler, cache kinds): pause for good, with the reason.
+            self.machine.send(lc.Signal(event=lc.SUSPEND.event, reason=self.refusal))
+            self.controller = None
 
     # -- target side ---------------------------------------------------------------
     def _target(self, logits: mx.array, fed: list[int] | None) -> mx.array:
