@@ -30,15 +30,16 @@ Rules this script keeps:
   mlx-lm's ``sanitize``: ``kv_b_proj`` re-joined from ``embed_q``/``unembed_out``, experts
   unstacked).
 * The MTP head follows DeepSeek-V3: ``x = eh_proj(cat[enorm(embed(t_{i+1})), hnorm(h_i)])``
-  (embedding first), one decoder layer (MLA; dense by default, MoE with ``--moe-head``
-  because its index ``num_hidden_layers`` is then ``>= first_k_dense_replace``), ``logits = shared_head.head(shared_head.norm(x))``. The head
-  shares the main ``embed_tokens`` and ``lm_head`` (frozen while it trains); like the public
-  DeepSeek-V3 checkpoint, copies are stored under the head as ``embed_tokens`` and
-  ``shared_head.head``. It is trained by self-distillation against a frozen main model:
-  the target at pair i is the main model's argmax at i+1 (``--head-target distill``). On the
-  earlier 2-layer checkpoint (300-step main model, MoE head, 100 head steps), held-out k=1 acceptance was 0.60 for it, 0.50
-  for full-distribution distillation (``soft``) and 0.43 for the data token t_{i+2}
-  (``data``): acceptance is agreement with the main model, so imitate the main model.
+  (embedding first), one decoder layer (MLA; dense by default, MoE with ``--moe-head`` because
+  its index ``num_hidden_layers`` is then ``>= first_k_dense_replace``), ``logits =
+  shared_head.head(shared_head.norm(x))``. The head shares the main ``embed_tokens`` and
+  ``lm_head`` (frozen while it trains); like the public DeepSeek-V3 checkpoint, copies are
+  stored under the head as ``embed_tokens`` and ``shared_head.head``. It is trained by
+  self-distillation against a frozen main model: the target at pair i is the main model's
+  argmax at i+1 (``--head-target distill``). On the earlier 2-layer checkpoint (300-step main
+  model, MoE head, 100 head steps), held-out k=1 acceptance was 0.60 for it, 0.50 for
+  full-distribution distillation (``soft``) and 0.43 for the data token t_{i+2} (``data``):
+  acceptance is agreement with the main model, so imitate the main model.
 * Evaluation: k=1 teacher-forced on held-out text (exact for k=1), and k=1..3 on the main
   model's own greedy continuations of held-out prompts, where teacher forcing equals real
   greedy verification; depth > 1 chains the head on its own output, both with the pre-norm
