@@ -49,6 +49,51 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def markdown(results: dict[str, Any]) -> str:
+    """The results as markdown tables (what BENCHMARKS.md quotes)."""
+    r = results["regime"]
+    out = [
+        f"Regime: device `{r['device']}`, BLAS `{r['blas']}`, dtype `{r.get('dtype')}`, "
+        f"mlx {r['mlx']}, mlx-lm {r['mlx_lm']}, {r['machine']}; "
+        f"{results['max_tokens']} tokens per request, median of {results['repeats']} interleaved runs.",
+        "",
+    ]
+    for k, entry in results.get("calibration", {}).items():
+        if isinstance(entry, dict) and "error" in entry:
+            out.append(f"- calibration k={k}: `{entry['error']}`: no prediction")
+        else:
+            figures = ", ".join(
+                f"B={t['batch_size']}: t_1 {t['t_1'] * 1e3:.2f} ms, verify {t['t_verify'] * 1e3:.2f} ms, "
+                f"head {t['t_head'] * 1e3:.2f} ms"
+                for t in entry
+            )
+            out.append(f"- calibration k={k}: {figures}")
+    out += [
+        "",
+        "| path | B | k | T | tok/s | baseline tok/s | ratio | predicted | measured/predicted | accept "
+        "| tau | fwd/token | peak GB (base) | auto/plain | auto/force_on | auto gate | per-position |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in results["cells"]:
+        out.append(
+            f"| {c['path']} | {c['batch_size']} | {c['k']} | {c['temp']:.1f} | {c['tps']:.0f} "
+            f"| {c['baseline_tps']:.0f} | **{c['ratio']:.2f}** | {_fmt(c['predicted_ratio'])} "
+            f"| {_fmt(c['measured_over_predicted'])} | {_fmt(c['acceptance_rate'])} "
+            f"| {_fmt(c['mean_acceptance_length'])} | {_fmt(c['target_forwards_per_token'])} "
+            f"| {c['peak_memory_gb']:.3f} ({c['baseline_peak_memory_gb']:.3f}) "
+            f"| {_fmt(c.get('auto_over_plain'))} | {_fmt(c.get('auto_over_force_on'))} "
+            f"| {c.get('auto_gate') or '-'} | "
+            + " ".join(f"{p:.2f}" for p in c["per_position_acceptance"])
+            + " |"
+        )
+    for d in results.get("draft_cells", []):
+        out.append(
+            f"| draft model (mlx-lm) | 1 | {d['k']} | {d['temp']:.1f} | {d['tps']:.0f} "
+            f"| {d['baseline_tps']:.0f} | **{d['ratio']:.2f}** | - | - | - | - | - | - | - | - | - | - |"
+        )
+    return "\n".join(out)
+
+
 def plot(results_by_regime: dict[str, dict[str, Any]], out: Path) -> Path:
     import matplotlib
 

@@ -5,7 +5,7 @@ Rules of this module:
   command in a child process with LD_PRELOAD cleared or set to Debian's OpenBLAS (see
   shared design notes: the same CPU is compute-bound with the wheel's reference BLAS and
   bandwidth-bound with OpenBLAS); `both` runs the two children one after the other.
-- Results go to OUT/bench-<regime>.json, a text table to stdout, the plot to OUT/bench.png.
+- Results go to OUT/bench-<regime>.json and .md, a text table to stdout, the plot to OUT/bench.png.
 - mlx is imported inside `run` only. Exit 0 ok, 2 usage error, 3 the model refused MTP.
 """
 
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     if args.draft_model is None and (EMBEDDED / "stdlib-tiny-draft" / "config.json").exists():
         args.draft_model = EMBEDDED / "stdlib-tiny-draft"
     args.out.mkdir(parents=True, exist_ok=True)
-    from melix_mlx.bench_report import plot, table
+    from melix_mlx.bench_report import markdown, plot, table
 
     if args.regime in ("reference", "openblas", "both"):
         regimes = ["reference", "openblas"] if args.regime == "both" else [args.regime]
@@ -103,5 +103,6 @@ def run(args: argparse.Namespace) -> int:
     for name, data in results.items():
         print(f"== {name}")
         print(table(data))
+        (args.out / f"bench-{name}.md").write_text(markdown(data) + "\n")
     print(f"plot: {plot(results, args.out / 'bench.png')}")
     return 0
