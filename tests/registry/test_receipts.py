@@ -167,13 +167,11 @@ def test_depth_beyond_heads_is_admitted_for_chaining_families(fakes: Fakes) -> N
     assert r.mode is Mode.accepted and r.effective_depth == 3 and r.head_count == 1
 
 
-def test_sliding_window_under_quantized_kv_is_refused(fakes: Fakes) -> None:
+def test_sliding_window_is_refused_in_every_context(fakes: Fakes) -> None:
     path = fakes.make("mimo", update={"use_sliding_window": True, "sliding_window": 512})
-    ok = resolve(path)
-    assert ok.mode is Mode.accepted
-    assert ("rotating", "full_kv_window_mask") in [(c.kind, c.strategy) for c in ok.caches]
-    r = resolve(path, context=ServingContext(quantized_kv=True, chunked_prefill=True))
-    assert r.refusal_reason is RefusalReason.unsupported_cache_sharing and "rotating" in r.message
+    for context in (ServingContext(), ServingContext(quantized_kv=True, chunked_prefill=True)):
+        r = resolve(path, context=context)
+        assert r.refusal_reason is RefusalReason.unsupported_cache_sharing and "rotating" in r.message
     assert r.quantized_kv and r.chunked_prefill
 
 

@@ -116,11 +116,11 @@ def test_malformed_family_entry_names_it(edit: Callable[[dict[str, Any]], None],
 
 ROLLBACK_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("missing cell", lambda d: d["cells"].pop(0), "kinds.kv"),
-    ("duplicate cell", lambda d: d["cells"].append(copy.deepcopy(d["cells"][0])), "cells[5]"),
+    ("duplicate cell", lambda d: d["cells"].append(copy.deepcopy(d["cells"][0])), "cells[4]"),
     ("both strategy and refusal", lambda d: d["cells"][0].update(refusal="invalid_config"), "cells[0]"),
     ("unknown strategy", lambda d: d["cells"][0].update(strategy="pray"), "cells[0].strategy"),
     ("unknown kind", lambda d: d["cells"][0].update(kind="paged"), "cells[0].kind"),
-    ("refusal not a reason", lambda d: d["cells"][4].update(refusal="nope"), "cells[4].refusal"),
+    ("refusal not a reason", lambda d: d["cells"][3].update(refusal="nope"), "cells[3].refusal"),
     ("bad flag", lambda d: d["cells"][0].update(quantized_kv="yes"), "cells[0].quantized_kv"),
     ("unused strategy", lambda d: d["strategies"].update(spare={"doc": "x"}), "strategies.spare"),
 ]
