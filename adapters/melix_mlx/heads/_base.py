@@ -32,10 +32,25 @@ class MTPHeadBase(nn.Module):
     CHAIN_POST_NORM: ClassVar[bool] = True
     CONCAT_ORDER: ClassVar[str] = "embedding_first"
     NUM_LAYERS: ClassVar[int] = 1
+    HAS_OWN_LM_HEAD: ClassVar[bool] = False  # the checkpoint may store its own output projection
 
     def __init__(self, embed_tokens: nn.Module, lm_head: Callable[[mx.array], mx.array]):
         super().__init__()
         self._shared = _SharedRefs(embed_tokens, lm_head)
+
+    @classmethod
+    def from_model(cls, model: nn.Module, *, own_lm_head: bool = False) -> MTPHeadBase:
+        """A head (random weights) wired to `model`'s embedding and lm_head.
+
+        own_lm_head: for families whose checkpoints may store the head's own output
+        projection (HAS_OWN_LM_HEAD), use it instead of the main lm_head.
+        """
+        from ..hidden import main_parts
+
+        parts = main_parts(model)
+        if cls.HAS_OWN_LM_HEAD:
+            return cls(parts.args, parts.embed_tokens, parts.lm_head, own_lm_head=own_lm_head)
+        return cls(parts.args, parts.embed_tokens, parts.lm_head)
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self._shared.embed(tokens)

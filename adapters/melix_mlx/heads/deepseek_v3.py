@@ -44,6 +44,7 @@ class MTPHead(MTPHeadBase):
     FAMILY: ClassVar[str] = "deepseek_v3"
     CHAIN_POST_NORM: ClassVar[bool] = False
     CONCAT_ORDER: ClassVar[str] = "embedding_first"
+    HAS_OWN_LM_HEAD: ClassVar[bool] = True  # shared_head.head
 
     def __init__(
         self,
@@ -61,13 +62,6 @@ class MTPHead(MTPHeadBase):
         # index num_hidden_layers: mlx-lm then picks MoE exactly as HF does for the head
         self.block = DeepseekV3DecoderLayer(args, layer_idx=args.num_hidden_layers)
         self.shared_head = _SharedHead(d, args.vocab_size, eps, own_lm_head)
-
-    @classmethod
-    def from_model(cls, model: nn.Module, *, own_lm_head: bool = True, **_: Any) -> MTPHead:
-        from ..hidden import main_parts
-
-        parts = main_parts(model)
-        return cls(parts.args, parts.embed_tokens, parts.lm_head, own_lm_head=own_lm_head)
 
     def __call__(
         self,

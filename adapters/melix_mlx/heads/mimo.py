@@ -38,13 +38,6 @@ class MTPHead(MTPHeadBase):
         self.block = TransformerBlock(args)
         self.final_layernorm = nn.RMSNorm(d, eps=eps)
 
-    @classmethod
-    def from_model(cls, model: nn.Module, **_: Any) -> MTPHead:
-        from ..hidden import main_parts
-
-        parts = main_parts(model)
-        return cls(parts.args, parts.embed_tokens, parts.lm_head)
-
     def __call__(
         self,
         hidden: mx.array,

@@ -49,13 +49,6 @@ class MTPHead(MTPHeadBase):
         self.layers = [DecoderLayer(args, layer_idx=args.full_attention_interval - 1)]
         self.norm = nn.RMSNorm(d, eps=eps)
 
-    @classmethod
-    def from_model(cls, model: nn.Module, **_: Any) -> MTPHead:
-        from ..hidden import main_parts
-
-        parts = main_parts(model)
-        return cls(parts.args, parts.embed_tokens, parts.lm_head)
-
     def __call__(
         self,
         hidden: mx.array,
