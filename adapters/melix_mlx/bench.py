@@ -97,7 +97,7 @@ class DraftCell:
     tps: float = 0.0
     baseline_tps: float = 0.0
     ratio: float = 0.0
-    acceptance_rate: float | None = None
+    draft_token_share: float | None = None  # emitted tokens that came from the draft model
 
 
 def regime() -> dict[str, Any]:
@@ -252,17 +252,21 @@ class Bench:
             return None
         return ActivationController(self.timings[k], prior=prior, active=decision.speculate)
 
+    def _plain_single(self, prompt: list[int], temp: float, seed: int) -> tuple[float, float]:
+        """mlx-lm's plain `stream_generate`: (tokens/s, peak GB)."""
+        mx.random.seed(seed)
+        responses = stream_generate(
+            self.model, self.tokenizer, prompt, self.max_tokens, sampler=_sampler(temp, False)
+        )
+        tps, mem, _ = _run_single(responses)
+        return tps, mem
+
     def single_cell(self, k: int, temp: float) -> Cell:
         cell = Cell("single", 1, k, temp)
         prompt = self.prompts[0]
         last = None
         for r in range(self.repeats):
-            mx.random.seed(r)
-            b_tps, b_mem, _ = _run_single(
-                stream_generate(
-                    self.model, self.tokenizer, prompt, self.max_tokens, sampler=_sampler(temp, False)
-                )
-            )
+            b_tps, b_mem = self._plain_single(prompt, temp, seed=r)
             mx.random.seed(r)
             m_tps, m_mem, last = _run_single(
                 mtp_stream_generate(
@@ -293,12 +297,7 @@ class Bench:
         samples = []
         accepted = total = 0
         for r in range(self.repeats):
-            mx.random.seed(r)
-            b_tps, _, _ = _run_single(
-                stream_generate(
-                    self.model, self.tokenizer, prompt, self.max_tokens, sampler=_sampler(temp, False)
-                )
-            )
+            b_tps, _ = self._plain_single(prompt, temp, seed=r)
             mx.random.seed(r)
             responses = list(
                 stream_generate(
@@ -319,9 +318,9 @@ class Bench:
         cell.baseline_tps = _median(b for b, _ in samples)
         cell.tps = _median(d for _, d in samples)
         cell.ratio = _median(d / b for b, d in samples if b > 0)
-        # from_draft tokens over drafted positions is not exposed by mlx-lm; report the
-        # share of emitted tokens that came from the draft model instead
-        cell.acceptance_rate = accepted / total if total else None
+        # mlx-lm does not expose drafted positions, so acceptance cannot be computed; report
+        # the share of emitted tokens that came from the draft model instead
+        cell.draft_token_share = accepted / total if total else None
         return cell
 
     def _finish(self, cell: Cell, stats: dict[str, Any] | None) -> None:

@@ -44,7 +44,7 @@ def table(results: dict[str, Any]) -> str:
         lines.append(
             f"draft   1 {d['k']:>2} {d['temp']:>4.1f} {d['tps']:>8.1f} {d['baseline_tps']:>8.1f} "
             f"{d['ratio']:>6.2f}  (mlx-lm speculative_generate_step, draft-token share "
-            f"{_fmt(d['acceptance_rate'])})"
+            f"{_fmt(d.get('draft_token_share', d.get('acceptance_rate')))})"
         )
     return "\n".join(lines)
 
