@@ -1,29 +1,30 @@
-"""Single-sequence MTP speculative decoding on mlx-lm's real forwards.
+"""Single-sequence MTP speculative decoding: the cycle engine at B = 1, pipelined.
 
 Rules of this module:
 - Output identity: greedy output equals mlx-lm's `generate_step` token for token, and
   sampled output has mlx-lm's sampling distribution (melix_mlx.sampling). The target
   model decides every emitted token; drafts only decide how many come per forward.
+- The cycle itself (drafts, verify, acceptance on the device, head catch-up, rollback
+  without replay) is melix_mlx.engine's, shared with the batched generator.
+- Host work overlaps device work as in mlx-lm's `generate_step`: the next step (a cycle
+  or a plain forward) is launched with `mx.async_eval` BEFORE the current step's tokens
+  are yielded, so the caller's detokenizing and this module's bookkeeping run while the
+  device computes. Plain steps are mlx-lm's own pipelined loop.
 - Every draft, verify, accept/rollback, plain step and fault is a transition of the
-  sequence's lifecycle machine (melix_fsm.lifecycle); its counters are the statistics.
-- Head-slot convention (DESIGN.md): pair i joins the main model's post-norm hidden h_i
-  with token t_{i+1} and predicts t_{i+2}. The head's cache holds one entry per pair
-  the main model has confirmed. Pairs not yet fed to the head wait in `_pending_*` and
-  ride along with the next draft forward, so priming from the prompt and catching up
-  after each verify cost no extra head call. Chained drafts (k > 1) add k - 1
-  speculative entries that are trimmed after the verify.
-- Rollback is exact (melix_mlx.rollback): trimmable caches are trimmed; caches with
-  recurrent layers are restored to the pre-verify checkpoint and the kept tokens are
-  replayed (counted in `replay_forwards`).
-- An exception inside the head or the verify forward moves the sequence to faulted: the
-  caches are restored, the pending drafts are dropped, and decoding continues plainly
-  from the last confirmed token. No token is lost; the fault is counted and its
-  message kept in `fault_message`.
+  sequence's lifecycle machine (melix_fsm.lifecycle), sent when the step's outcome is
+  known; its counters are the statistics.
+- An exception inside the head or the verify moves the sequence to faulted: the caches
+  are restored and decoding continues plainly from the last confirmed token. No token
+  is lost; the fault is counted and its message kept in `fault_message`.
+- A generator closed early leaves the cache holding the prompt and every yielded token
+  but the last (an in-flight cycle is undone).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -35,23 +36,24 @@ from melix_fsm.lifecycle import SequenceMachine, State
 from melix_fsm.policy import Action
 
 from . import rollback
-from .hidden import forward_with_hidden
+from .engine import CycleEngine, Flight, RowHead, RowPlan, SpeculativeFault
 from .prefill import prefill_with_hidden
-from .sampling import (
-    SamplingParams,
-    accept_greedy,
-    accept_sampled,
-    normalize_logits,
-    params_of,
-    probabilities,
-    sample_from,
-)
+from .sampling import SamplingParams, normalize_logits, params_of
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 Sampler = Callable[[mx.array], mx.array]
+Emitted = tuple[int, mx.array, bool]
 
 _CYCLE_READY = frozenset({State("admitted"), State("accepted"), State("rolled_back")})
 _NO_POLICY = frozenset({State("refused"), State("faulted"), State("finished")})  # never speculate again
+
+
+@dataclass
+class _Plain:
+    """A launched plain step."""
+
+    token: mx.array  # [1]
+    logprobs: mx.array  # [1, V]
 
 
 class MTPDecoder:
@@ -83,20 +85,29 @@ class MTPDecoder:
         self.k = num_draft_tokens
         self.sampler = sampler
         self.params: SamplingParams | None = params_of(sampler)
-        self.processors = list(logits_processors or [])
-        self.cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
-        self.head_cache = head.make_cache() if head is not None else None
+        self.processors = tuple(logits_processors or ())
+        cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
+        head_cache = head.make_cache() if head is not None else []
+        if head is not None:
+            from .capture import install
+
+            install(model)
+        self.engine = CycleEngine(model, head, cache, head_cache)
         self.prefill_step_size = prefill_step_size
         self.machine = machine if machine is not None else SequenceMachine(uid=0)
-        self.target_forwards = 0  # verify and plain forwards, prefill excluded
-        self.replay_forwards = 0  # extra forwards that rebuilt recurrent state
-        self.head_forwards = 0
         self.fault_message: str | None = None
         self.refusal = refusal or self._refusal_reason()
         self.controller = controller  # melix_fsm.policy.ActivationController, or None: always on
-        self._history: list[int] = []  # every token fed to the model, for processors
-        self._pending_hidden: mx.array | None = None  # [L, D] hiddens awaiting the head
-        self._pending_tokens: list[int] = []  # the token paired with each pending hidden
+        self._context: list[int] = []  # prompt and every yielded token (only for logits processors)
+        self._last_step_end: float | None = None
+
+    @property
+    def cache(self) -> list[Any]:
+        return self.engine.cache
+
+    @property
+    def head_cache(self) -> list[Any]:
+        return self.engine.head_cache
 
     # -- admission ---------------------------------------------------------------
     def _refusal_reason(self) -> str | None:
@@ -119,164 +130,120 @@ class MTPDecoder:
             self.machine.send(lc.Signal(event=lc.SUSPEND.event, reason=self.refusal))
             self.controller = None
 
-    # -- target side ---------------------------------------------------------------
-    def _target(self, logits: mx.array, fed: list[int] | None) -> mx.array:
-        """Processed log-probabilities [L, V] for logits [L, V] of the tokens `fed`.
-
-        The token history exists only for logits processors; without them `fed` may be
-        None, which lets a cycle keep its drafts on the device until one final sync.
-        """
-        if self.processors:
-            rows = []
-            for i, token in enumerate(fed):
-                self._history.append(token)
-                row = logits[i : i + 1]
-                history = mx.array(self._history)
-                for processor in self.processors:
-                    row = processor(history, row)
-                rows.append(row)
-            logits = mx.concatenate(rows, axis=0)
-        return normalize_logits(logits)
-
-    def _choose(self, logprobs: mx.array) -> mx.array:
-        """The target's token(s) for processed log-probabilities, as mlx-lm samples them."""
-        if self.sampler is None:
-            return mx.argmax(logprobs, axis=-1)
-        return self.sampler(logprobs)
-
-    def _forget(self, n: int) -> None:
-        if n > 0 and self.processors:
-            del self._history[-n:]
-
-    # -- head side -----------------------------------------------------------------
-    def _queue_pairs(self, hidden: mx.array, tokens: list[int]) -> None:
-        if self.head is None or self.machine.state is State("faulted"):
-            return
-        if self._pending_hidden is None:
-            self._pending_hidden = hidden
-        else:
-            self._pending_hidden = mx.concatenate([self._pending_hidden, hidden], axis=0)
-        self._pending_tokens.extend(tokens)
-
-    def _draft(self, k: int) -> tuple[mx.array, mx.array | None]:
-        """Feed pending pairs, then chain; returns k drafts [k] (lazy) and their q (sampling only)."""
-        assert self.head is not None and self.head_cache is not None
-        hidden = self._pending_hidden[None]
-        tokens = mx.array(self._pending_tokens)[None]
-        self._pending_hidden, self._pending_tokens = None, []
-        drafts: list[mx.array] = []
-        qs: list[mx.array] = []
-        for _ in range(k):
-            logits, head_hidden = self.head(hidden, tokens, self.head_cache)
-            self.head_forwards += 1
-            last = logits[0, -1:]
-            if self.params.greedy:
-                token = mx.argmax(last, axis=-1)
-            else:
-                q = probabilities(normalize_logits(last), self.params)
-                qs.append(q)
-                token = sample_from(q)
-            drafts.append(token)
-            # chain on the head's own output; the token stays on the device (no sync)
-            hidden, tokens = head_hidden[:, -1:], token[None]
-        return mx.concatenate(drafts), (mx.concatenate(qs, axis=0) if qs else None)
-
     # -- steps -----------------------------------------------------------------------
-    def _prefill(self, prompt: mx.array) -> tuple[mx.array, mx.array]:
-        """Feed the prompt; return processed log-probs [1, V] of its last position and all hiddens."""
-        logits, hiddens = prefill_with_hidden(self.model, prompt, self.cache, self.prefill_step_size)
-        tokens = prompt.tolist()
-        if self.processors:
-            self._history.extend(tokens[:-1])
-        return self._target(logits, tokens[-1:]), hiddens
+    def _plan(self, k: int) -> RowPlan:
+        history = self._context[:-1] if self.processors else None  # everything before y
+        return RowPlan(k, self.params, self.sampler, self.processors, history)
 
-    def _plain_step(self, y: int) -> tuple[int, mx.array]:
-        logits, h = forward_with_hidden(self.model, mx.array([[y]]), self.cache)
-        self.target_forwards += 1
-        logprobs = self._target(logits[0], [y])
-        token = int(self._choose(logprobs).item())
-        self._queue_pairs(h[0], [token])
-        self.machine.send(lc.PLAIN_STEP)
-        return token, logprobs[0]
+    def _depth(self, remaining: int) -> int:
+        """Drafts for the next cycle; 0 means the next step decodes plainly."""
+        if self.machine.state not in _CYCLE_READY or self.refusal:
+            return 0
+        if self.controller is not None and not self.controller.speculating:
+            return 0
+        depth = getattr(self.controller, "k", self.k) if self.controller is not None else self.k
+        return max(1, min(depth, remaining - 1))  # a cycle-ready machine takes no plain step
 
-    def _fault(self, exc: BaseException) -> None:
-        self.fault_message = f"{type(exc).__name__}: {exc}"
-        self.machine.send(lc.Signal(event=lc.FAULT.event, reason=self.fault_message))
-        self._pending_hidden = None
-        self._pending_tokens = []
+    def _start(self, remaining: int) -> Flight | _Plain:
+        k = self._depth(remaining)
+        if k > 0:
+            try:
+                return self.engine.launch([self._plan(k)])
+            except SpeculativeFault as fault:
+                self._fault(fault, k)
+        token, logprobs = self.engine.plain([self._plan(0)])
+        mx.async_eval(token)
+        return _Plain(token, logprobs)
 
-    def _cycle(self, y: int, k: int) -> list[tuple[int, mx.array, bool]] | None:
-        """One draft -> verify -> accept/rollback cycle; None when it faulted."""
-        try:
-            draft_arr, q = self._draft(k)
-            # processors need the drafts' values for their history; otherwise stay lazy
-            drafts = draft_arr.tolist() if self.processors else None
-        except Exception as exc:  # a broken head must not cost the sequence a token
-            self._fault(exc)
-            return None
-        self.machine.send(lc.draft(k))
-        cp = rollback.checkpoint(self.cache)
-        self.machine.send(lc.VERIFY)
-        history_len = len(self._history)
-        try:
-            inputs = mx.concatenate([mx.array([y], dtype=draft_arr.dtype), draft_arr])[None]
-            logits, hidden = forward_with_hidden(self.model, inputs, self.cache)
-            self.target_forwards += 1
-            logprobs = self._target(logits[0], None if drafts is None else [y, *drafts])
-            if self.params.greedy:
-                targets_arr = self._choose(logprobs)
-                mx.eval(targets_arr, draft_arr)  # the cycle's one sync
-                targets, drafts = targets_arr.tolist(), draft_arr.tolist()
-                a = accept_greedy(drafts, targets)
-                bonus = targets[a]
-            else:
-                drafts = draft_arr.tolist()
-                a, bonus = accept_sampled(drafts, q, probabilities(logprobs, self.params))
-        except Exception as exc:
-            rollback.restore(self.cache, cp)
-            del self._history[history_len:]
-            self._fault(exc)
-            return None
-        self.machine.send(lc.verified(a))
-        fed = [y, *drafts]
-        self._forget(k - a)
-        if rollback.rollback(self.cache, cp, fed=k + 1, keep=a + 1):
-            _, hidden = forward_with_hidden(self.model, mx.array([fed[: a + 1]]), self.cache)
-            self.replay_forwards += 1
-        rollback.trim_all(self.head_cache, k - 1)  # the chained, speculative head entries
-        self._queue_pairs(hidden[0, : a + 1], [*drafts[:a], bonus])
-        out = [(d, logprobs[i], True) for i, d in enumerate(drafts[:a])]
-        out.append((bonus, logprobs[a], False))
+    def _finish(self, step: Flight | _Plain) -> list[Emitted] | None:
+        """Sync one launched step and record it; None when a cycle faulted."""
+        if isinstance(step, _Plain):
+            token = int(step.token.item())
+            self.machine.send(lc.PLAIN_STEP)
+            out = [(token, step.logprobs[0], False)]
+            accepted = proposed = 0
+        else:
+            try:
+                settled = self.engine.settle(step)
+            except SpeculativeFault as fault:
+                self._fault(fault, step.ks[0])
+                return None
+            k, a = step.ks[0], settled.accepted[0]
+            self.machine.send(lc.draft(k))
+            self.machine.send(lc.VERIFY)
+            self.machine.send(lc.verified(a))
+            tokens = settled.tokens[0]
+            out = [(t, settled.logprobs[0, j], j < a) for j, t in enumerate(tokens)]
+            accepted, proposed = a, k
+        self._observe(accepted, proposed, len(out))
         return out
 
-    def generate(self, prompt: mx.array, max_tokens: int = 256) -> Iterator[tuple[int, mx.array, bool]]:
+    def _observe(self, accepted: int, proposed: int, tokens: int) -> None:
+        """Feed the controller this step's outcome and wall time."""
+        now = time.perf_counter()
+        seconds = None if self._last_step_end is None else now - self._last_step_end
+        self._last_step_end = now
+        if self.controller is None or self.machine.state in _NO_POLICY:
+            return
+        if seconds is None:
+            action = self.controller.update(1, accepted, proposed)
+        else:
+            action = self.controller.update(1, accepted, proposed, seconds=seconds, tokens=tokens)
+        self._apply(action)
+
+    def _fault(self, fault: SpeculativeFault, k: int) -> None:
+        if fault.drafted:  # the drafts existed: record them, then discard them with the fault
+            self.machine.send(lc.draft(k))
+            self.machine.send(lc.VERIFY)
+        self.fault_message = str(fault)
+        self.machine.send(lc.Signal(event=lc.FAULT.event, reason=self.fault_message))
+
+    def generate(self, prompt: mx.array, max_tokens: int = 256) -> Iterator[Emitted]:
         """Yield up to `max_tokens` tokens as `(token, logprobs, from_draft)`."""
         self._resolve()
         if self.controller is not None and not self.controller.speculating:
             self._apply(Action.suspend)  # the gate disabled this start: begin suspended
-        logprobs, hiddens = self._prefill(prompt)
-        y = int(self._choose(logprobs[-1:]).item())
-        self._queue_pairs(hiddens, [*prompt[1:].tolist(), y])
-        produced = 1
+        logits, hiddens = prefill_with_hidden(self.model, prompt, self.cache, self.prefill_step_size)
+        prompt_tokens = prompt.tolist()
+        logprobs = self._process(logits, prompt_tokens)
+        y = int((mx.argmax(logprobs, axis=-1) if self.sampler is None else self.sampler(logprobs)).item())
+        row = RowHead()
+        if self.head is not None and self.refusal is None:
+            row = self.engine.prime(self.head_cache, hiddens, [*prompt_tokens[1:], y], self.params)
+        self.engine.extend(mx.array([y]), [row])
+        if self.processors:
+            self._context = [*prompt_tokens, y]
         yield y, logprobs[-1], False
-        while max_tokens < 0 or produced < max_tokens:
-            remaining = max_tokens - produced if max_tokens >= 0 else self.k + 1
-            before = (self.machine.counters.accepted, self.machine.counters.proposed)
-            if self.machine.state in _CYCLE_READY:
-                k = max(1, min(self.k, remaining - 1))
-                out = self._cycle(y, k)
+        produced = 1
+        step: Flight | _Plain | None = None
+        try:
+            while max_tokens < 0 or produced < max_tokens:
+                remaining = max_tokens - produced if max_tokens >= 0 else self.k + 1
+                if step is None:
+                    step = self._start(remaining)
+                out = self._finish(step)
+                step = None
                 if out is None:
                     continue  # faulted: the next iteration decodes y plainly
-            else:
-                token, lp = self._plain_step(y)
-                out = [(token, lp, False)]
-            if self.controller is not None and self.machine.state not in _NO_POLICY:
-                c = self.machine.counters
-                self._apply(self.controller.update(1, c.accepted - before[0], c.proposed - before[1]))
-            for item in out[:remaining]:
-                produced += 1
-                yield item
-            y = out[-1][0]
+                out = out[:remaining]
+                if self.processors:
+                    self._context.extend(t for t, _, _ in out)
+                produced += len(out)
+                if max_tokens < 0 or produced < max_tokens:
+                    # overlap: the device runs the next step while the caller consumes these
+                    step = self._start(max_tokens - produced if max_tokens >= 0 else self.k + 1)
+                yield from out
+        finally:
+            if isinstance(step, Flight):
+                self.engine.abandon(step)
+
+    def _process(self, logits: mx.array, prompt: list[int]) -> mx.array:
+        """Processed log-probabilities [1, V] of the prefill's last logits."""
+        if self.processors:
+            history = mx.array(prompt)
+            for processor in self.processors:
+                logits = processor(history, logits)
+        return normalize_logits(logits)
 
     def _apply(self, action: Action) -> None:
         """Turn a controller action into a lifecycle event, when the state allows it."""
@@ -293,9 +260,9 @@ class MTPDecoder:
         out = self.machine.counters.summary()
         out.update(
             state=self.machine.state.value,
-            target_forwards=self.target_forwards,
-            replay_forwards=self.replay_forwards,
-            head_forwards=self.head_forwards,
+            target_forwards=self.engine.target_forwards,
+            replay_forwards=self.engine.replay_forwards,
+            head_forwards=self.engine.head_forwards,
             refusal=self.refusal,
             fault=self.fault_message,
             policy=self.controller.summary() if self.controller is not None else None,

@@ -1,25 +1,31 @@
-"""Exact cache rollback after a verify forward (single-sequence caches).
+"""Exact cache rollback after a verify forward, per row, for single and batched caches.
 
 Rules of this module:
-- A `Checkpoint` is taken right before a verify forward and records what rollback
-  needs: each KV-like cache's offset, and a copy of each recurrent (ArraysCache) cache's
-  list of arrays. KV caches write in place, so they are never snapshotted by reference;
-  they are trimmed. ArraysCache layers replace their arrays on update, so copying the
-  list is cheap and exact (`c.state` would return the live list).
-- `rollback(cache, checkpoint, keep)` leaves the cache exactly as if only `keep` of the
-  verified tokens had been fed. When every layer is trimmable it trims; when a recurrent
-  layer is present it restores the checkpoint and reports that the caller must replay
-  the kept tokens (the recurrent state cannot be un-applied).
-- Cache kinds that cannot be rolled back exactly (a RotatingKVCache that has wrapped,
-  unknown kinds) are reported by `unsupported_kinds` before decoding starts; nothing
-  rolls back approximately.
+- Every row of a batched cache is one sequence; rolling one row back never touches
+  another row's entries. A single-sequence cache is the one-row case.
+- KV-like leaves are trimmed. `BatchKVCache.trim(n)` is uniform across rows, so
+  `drop_row_suffixes` trims the rows' common rejected suffix, then marks each row's
+  remaining rejected entries as right padding and lets `finalize()` move them to the
+  front as masked left padding (mlx-lm's own mechanism for right-padded prompts);
+  `filter` later reclaims padding common to all rows. KV caches write in place, so they
+  are never snapshotted by reference.
+- Recurrent (ArraysCache) leaves are not trimmable. The verify captures their state at
+  every position and rollback selects it (melix_mlx.capture). Where a layer cannot be
+  captured, a `Checkpoint` (a copy of each leaf's array list: the layer replaces its
+  arrays on update, so the copy is cheap and exact) is restored and the kept tokens are
+  replayed with `ragged_forward`, which masks every row past its own length.
+- Cache kinds that cannot be rolled back exactly (a RotatingKVCache, which is exact only
+  until it wraps; unknown kinds) are reported by `unsupported_kinds` before decoding
+  starts; nothing rolls back approximately.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
@@ -77,48 +83,64 @@ def needs_replay(cache: list[Any]) -> bool:
 
 @dataclass
 class Checkpoint:
-    offsets: list[int | None]  # per leaf: KV offset, or None for recurrent leaves
+    """Where every leaf stood before a forward: KV offsets and recurrent array lists."""
+
+    offsets: list[Any]  # per leaf: KV offset (int, or the per-row array of a batch cache)
+    indices: list[int | None]  # per leaf: a batch cache's write index, else None
     arrays: list[list[Any] | None]  # per leaf: copied ArraysCache list, or None
 
 
 def checkpoint(cache: list[Any]) -> Checkpoint:
-    offsets: list[int | None] = []
+    offsets: list[Any] = []
+    indices: list[int | None] = []
     arrays: list[list[Any] | None] = []
     for c in leaves(cache):
         if isinstance(c, ArraysCache):
             offsets.append(None)
+            indices.append(None)
             arrays.append(list(c.cache))
         else:
             offsets.append(c.offset)
+            indices.append(getattr(c, "_idx", None))
             arrays.append(None)
-    return Checkpoint(offsets, arrays)
+    return Checkpoint(offsets, indices, arrays)
 
 
 def restore(cache: list[Any], cp: Checkpoint) -> None:
     """Put every layer back exactly where the checkpoint was taken."""
-    for c, offset, saved in zip(leaves(cache), cp.offsets, cp.arrays):
+    for c, offset, index, saved in zip(leaves(cache), cp.offsets, cp.indices, cp.arrays):
         if saved is not None:
             c.cache = list(saved)
+        elif index is not None:
+            extra = c._idx - index
+            if extra > 0:
+                c.trim(extra)
         else:
             extra = c.offset - offset
             if extra > 0:
                 c.trim(extra)
 
 
-def rollback(cache: list[Any], cp: Checkpoint, fed: int, keep: int) -> bool:
-    """Undo the last `fed - keep` of `fed` tokens fed since the checkpoint.
+def drop_row_suffixes(cache: list[Any], drop: list[int], *, skip_recurrent: bool = False) -> None:
+    """Remove the last drop[i] entries of row i from every KV leaf.
 
-    Returns True when the caller must replay the `keep` kept tokens (recurrent layers
-    present: the cache was restored to the checkpoint instead of trimmed).
+    Recurrent leaves cannot drop entries: they raise, unless `skip_recurrent` says the
+    caller has already set them (captured states).
     """
-    if keep == fed:
-        return False
-    if needs_replay(cache):
-        restore(cache, cp)
-        return keep > 0
+    if not drop or not any(drop):
+        return
+    common = min(drop)
+    extra = [d - common for d in drop]
     for c in leaves(cache):
-        c.trim(fed - keep)
-    return False
+        if isinstance(c, ArraysCache):
+            if skip_recurrent:
+                continue
+            raise TypeError("recurrent layers cannot drop entries; select captured states instead")
+        if common:
+            c.trim(common)
+        if any(extra):
+            c.prepare(right_padding=extra)
+            c.finalize()
 
 
 def trim_all(cache: list[Any], n: int) -> None:
@@ -127,3 +149,23 @@ def trim_all(cache: list[Any], n: int) -> None:
         return
     for c in leaves(cache):
         c.trim(n)
+
+
+def ragged_forward(
+    forward: Callable[[mx.array, list[Any]], tuple[mx.array, mx.array]],
+    rows: list[list[int]],
+    cache: list[Any],
+) -> tuple[mx.array, mx.array]:
+    """Feed row i the tokens rows[i] (ragged, right-padded) and keep only those entries."""
+    lengths = [len(r) for r in rows]
+    width = max(lengths)
+    padding = [width - n for n in lengths]
+    inputs = mx.array([r + [0] * p for r, p in zip(rows, padding)])
+    if any(padding):
+        for c in leaves(cache):
+            c.prepare(lengths=lengths, right_padding=padding)
+    out = forward(inputs, cache)
+    if any(padding):
+        for c in leaves(cache):
+            c.finalize()
+    return out

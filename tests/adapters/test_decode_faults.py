@@ -8,7 +8,7 @@ output equals mlx-lm's, and the stats record one fault with its message.
 
 from __future__ import annotations
 
-import melix_mlx.decode as decode_mod
+import melix_mlx.engine as engine_mod
 import mlx.core as mx
 import pytest
 from decode_refs import mtp, reference
@@ -71,7 +71,7 @@ def test_verify_exception_after_cache_writes(loaded_heads, family: str, monkeypa
                 raise ValueError("verify failed")
         return out
 
-    monkeypatch.setattr(decode_mod, "forward_with_hidden", failing)
+    monkeypatch.setattr(engine_mod, "forward_with_hidden", failing)
     got, decoder = mtp(model, head, PROMPT, N, 3)
     assert got == want
     stats = decoder.stats

@@ -5,7 +5,8 @@ position, k = 3) or total rejection (the random tiny head, k = 2) and is paused 
 cycle boundary. Its cache is then compared, layer by layer (KV keys/values up to the
 offset, every ArraysCache array), with a fresh cache fed only the confirmed tokens:
 
-- qwen3_5 (KVCache + recurrent ArraysCache, restore + replay) and mimo (KVCache, trim):
+- qwen3_5 (KVCache + recurrent ArraysCache: the state captured inside the verify at the
+  accepted length, no replay) and mimo (KVCache, trim):
   bitwise equal (max |diff| = 0 on the CPU wheel) to feeding the confirmed tokens one
   by one AND to feeding them in the decoder's kept chunks.
 - deepseek_v3 (KVCache, trim): mlx-lm's MLA attention takes another kernel path for one
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import melix_mlx.decode as decode_mod
+import melix_mlx.engine as engine_mod
 import mlx.core as mx
 import pytest
 from decode_refs import reference
@@ -62,7 +63,7 @@ def run_cycles(model, head, k: int, monkeypatch) -> tuple[MTPDecoder, list[list[
         fed.append(inputs[0].tolist())
         return forward_with_hidden(model_, inputs, cache, **kw)
 
-    monkeypatch.setattr(decode_mod, "forward_with_hidden", recording)
+    monkeypatch.setattr(engine_mod, "forward_with_hidden", recording)
     decoder = MTPDecoder(model, head, num_draft_tokens=k)
     gen = decoder.generate(mx.array(PROMPT), 1000)
     last = next(gen)[0]
@@ -76,8 +77,9 @@ def run_cycles(model, head, k: int, monkeypatch) -> tuple[MTPDecoder, list[list[
             kept.append(chunk)
             chunk = [token]
     monkeypatch.undo()
-    verifies = [f for f in fed if len(f) == k + 1]  # replays are the shorter calls
-    assert len(verifies) == CYCLES
+    verifies = [f for f in fed if len(f) == k + 1]
+    assert len(verifies) >= CYCLES  # the next cycle may already be launched (pipelined)
+    verifies = verifies[:CYCLES]
     return decoder, kept, verifies
 
 
@@ -112,20 +114,19 @@ def test_cache_equals_clean_run(loaded_heads, family: str, monkeypatch) -> None:
         else:
             assert max_diff(decoder.cache, tokenwise) == 0.0, name
             assert max_diff(decoder.cache, clean_cache(model, kept)) == 0.0, name
-        if family == "qwen3_5":
-            assert decoder.stats["replay_forwards"] == CYCLES  # one replay per rejecting cycle
+        assert decoder.stats["replay_forwards"] == 0  # recurrent layers select captured states
 
 
 def test_comparison_sees_a_wrong_rollback(loaded_heads, monkeypatch) -> None:
     """The comparison is sharp: a rollback that keeps one rejected token is caught."""
     model = loaded_heads["mimo"][0]
     _, head, k = heads(loaded_heads, "mimo")[1]
-    real = rollback.rollback
+    real = rollback.drop_row_suffixes
 
-    def off_by_one(cache, cp, fed, keep):
-        return real(cache, cp, fed, min(keep + 1, fed))
+    def off_by_one(cache, drop, **kw):
+        return real(cache, [max(d - 1, 0) for d in drop], **kw)
 
-    monkeypatch.setattr(decode_mod.rollback, "rollback", off_by_one)
+    monkeypatch.setattr(engine_mod.rollback, "drop_row_suffixes", off_by_one)
     decoder = MTPDecoder(model, head, num_draft_tokens=k)
     gen = decoder.generate(mx.array(PROMPT), 1000)
     tokens = [next(gen)[0] for _ in range(4)]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-import melix_mlx.decode as decode_mod
+import melix_mlx.engine as engine_mod
 import mlx.core as mx
 import pytest
 from melix_mlx.decode import MTPDecoder
@@ -142,27 +142,27 @@ def test_joint_of_first_two_tokens(setup) -> None:
     assert g_test(counts, joint) > ALPHA
 
 
-def _accept_all(drafts, draft_probs, target_probs, key=None):
+def _accept_all(drafts, q, logprobs, params):
     """Wrong: take every draft, then a bonus token from p."""
-    k = len(drafts)
-    return k, int(mx.random.categorical(mx.log(target_probs[k])).item())
+    k = drafts.shape[0]
+    p = probabilities(logprobs, params)
+    return mx.array(k, mx.int32), mx.random.categorical(mx.log(p[k]))
 
 
-def _resample_from_p(drafts, draft_probs, target_probs, key=None):
+def _resample_from_p(drafts, q, logprobs, params):
     """Wrong: the right acceptance test, but a rejection redraws from p, not the residual."""
-    idx = mx.array(drafts)
-    p_d = mx.take_along_axis(target_probs[:-1], idx[:, None], axis=-1)[:, 0]
-    q_d = mx.take_along_axis(draft_probs, idx[:, None], axis=-1)[:, 0]
-    ok = (mx.random.uniform(shape=(len(drafts),)) * q_d < p_d).tolist()
-    a = 0
-    while a < len(drafts) and ok[a]:
-        a += 1
-    return a, int(mx.random.categorical(mx.log(target_probs[a])).item())
+    k = drafts.shape[0]
+    p = probabilities(logprobs, params)
+    idx = drafts.astype(mx.int32)[:, None]
+    p_d = mx.take_along_axis(p[:k], idx, axis=-1)[:, 0]
+    q_d = mx.take_along_axis(q, idx, axis=-1)[:, 0]
+    a = mx.cumprod((mx.random.uniform(shape=(k,)) * q_d < p_d).astype(mx.int32)).sum()
+    return a, mx.random.categorical(mx.log(mx.take(p, a, axis=0)))
 
 
 @pytest.mark.parametrize("wrong_rule", [_accept_all, _resample_from_p], ids=["accept_all", "resample_from_p"])
 def test_wrong_acceptance_rule_is_detected(setup, wrong_rule, monkeypatch) -> None:
-    monkeypatch.setattr(decode_mod, "accept_sampled", wrong_rule)
+    monkeypatch.setattr(engine_mod, "accept_sampled", wrong_rule)
     counts, _ = draw_pairs(setup, 500, seed=7)
     assert g_test(counts, setup[4]) < ALPHA
 

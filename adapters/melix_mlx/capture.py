@@ -1,0 +1,176 @@
+"""Recurrent state captured inside the verify forward, so rollback never replays.
+
+Rules of this module:
+- A recurrent (ArraysCache) layer cannot be trimmed. Instead of restoring the pre-verify
+  state and re-running the kept tokens (one extra full forward per rejecting cycle), the
+  verify forward records the layer's state after EVERY verified position; rollback then
+  selects the state at each row's accepted length (`select`), lazily, on the device.
+- Capture is opt-in per cache leaf: `arm(cache)` marks the recurrent leaves of a cache;
+  a capturing layer records into an armed leaf and behaves exactly like mlx-lm's own
+  layer otherwise. `collect(cache)` disarms and returns the recorded states.
+- The capturing layers are subclasses of mlx-lm's own classes, installed on the loaded
+  model's layer instances (`install`). They add no parameters (save, load, quantize and
+  shard see the same tree) and, unarmed, call mlx-lm's `__call__` unchanged.
+- Exactness: the armed path computes the projections, the convolution and the gates over
+  the whole verify block exactly as mlx-lm does, and runs the gated-delta recurrence one
+  position at a time through mlx-lm's own `gated_delta_update` (its reference path loops
+  per position anyway; the kernels keep the state in float32 between positions). Its
+  outputs equal mlx-lm's bit for bit (tests/adapters/test_capture.py).
+- Layers without a capturing subclass keep the restore-and-replay rollback; `supported`
+  tells the decoders which one a cache gets, and the receipt's rollback kind says it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.nn.layers.distributed import sum_gradients
+from mlx_lm.models import qwen3_5
+from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+
+_ARMED = "melix_steps"  # attribute an armed ArraysCache leaf carries: list of per-step states
+
+
+class CapturingGatedDeltaNet(qwen3_5.GatedDeltaNet):
+    """mlx-lm's Qwen3.5 GatedDeltaNet that records per-position state when its cache is armed."""
+
+    def __call__(self, inputs: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
+        steps = getattr(cache, _ARMED, None) if cache is not None else None
+        if steps is None:
+            return super().__call__(inputs, mask, cache)
+        B, S, _ = inputs.shape
+        if self.sharding_group is not None:
+            inputs = sum_gradients(self.sharding_group)(inputs)
+        qkv = self.in_proj_qkv(inputs)
+        z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
+        b = self.in_proj_b(inputs)
+        a = self.in_proj_a(inputs)
+        conv_state = cache[0]
+        if conv_state is None:
+            conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=inputs.dtype)
+        if mask is not None:
+            qkv = mx.where(mask[..., None], qkv, 0)
+        conv_input = mx.concatenate([conv_state, qkv], axis=1)
+        n_keep = self.conv_kernel_size - 1
+        conv_out = nn.silu(self.conv1d(conv_input))
+        q, k, v = [
+            t.reshape(B, S, h, d)
+            for t, h, d in zip(
+                mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
+                [self.num_k_heads, self.num_k_heads, self.num_v_heads],
+                [self.head_k_dim, self.head_k_dim, self.head_v_dim],
+            )
+        ]
+        state = cache[1]
+        q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
+        outs = []
+        for t in range(S):
+            step = slice(t, t + 1)
+            y, state = gated_delta_update(
+                q[:, step],
+                k[:, step],
+                v[:, step],
+                a[:, step],
+                b[:, step],
+                self.A_log,
+                self.dt_bias,
+                state,
+                None if mask is None else mask[:, step],
+                use_kernel=not self.training,
+            )
+            outs.append(y)
+            # the convolution window after t + 1 of the S positions
+            steps.append((conv_input[:, t + 1 : t + 1 + n_keep], state))
+        cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
+        cache[1] = state
+        cache.advance(S)
+        out = self.norm(mx.concatenate(outs, axis=1), z)
+        out = self.out_proj(out.reshape(B, S, -1))
+        if self.sharding_group is not None:
+            out = mx.distributed.all_sum(out, group=self.sharding_group)
+        return out
+
+
+# mlx-lm layer class -> its capturing subclass. Families whose recurrent layers are not
+# listed here keep the restore-and-replay rollback.
+CAPTURING: dict[type, type] = {qwen3_5.GatedDeltaNet: CapturingGatedDeltaNet}
+
+
+def _recurrent_layers(model: nn.Module) -> list[nn.Module]:
+    found: list[nn.Module] = []
+
+    def visit(_: str, module: nn.Module) -> None:
+        if type(module) in CAPTURING or type(module) in CAPTURING.values():
+            found.append(module)
+
+    model.apply_to_modules(visit)
+    return found
+
+
+def install(model: nn.Module) -> int:
+    """Give every recurrent layer of `model` its capturing subclass; returns how many.
+
+    Idempotent. The layers' parameters and unarmed behaviour are unchanged.
+    """
+    layers = _recurrent_layers(model)
+    for layer in layers:
+        capturing = CAPTURING.get(type(layer))
+        if capturing is not None:
+            layer.__class__ = capturing
+    return len(layers)
+
+
+def supported(model: nn.Module, cache: list[Any]) -> bool:
+    """Whether every recurrent leaf of `cache` is fed by a capturing layer of `model`.
+
+    Counts match when each recurrent cache leaf belongs to one installed layer (the
+    layer order of mlx-lm's `make_cache`); any recurrent layer we cannot capture means
+    the cache must use restore-and-replay.
+    """
+    from .rollback import leaves
+
+    recurrent = [c for c in leaves(cache) if isinstance(c, ArraysCache)]
+    if not recurrent:
+        return True
+    captured = [m for m in _recurrent_layers(model) if type(m) in CAPTURING.values()]
+    return len(captured) == len(recurrent)
+
+
+def arm(cache: list[Any]) -> list[ArraysCache]:
+    """Mark every recurrent leaf to record per-position states in the next forward."""
+    from .rollback import leaves
+
+    armed = [c for c in leaves(cache) if isinstance(c, ArraysCache)]
+    for c in armed:
+        setattr(c, _ARMED, [])
+    return armed
+
+
+def collect(armed: list[ArraysCache]) -> list[list[tuple[mx.array, mx.array]]]:
+    """Disarm; per leaf, the (conv window, recurrent state) after each verified position."""
+    out = []
+    for c in armed:
+        out.append(getattr(c, _ARMED, None) or [])
+        if hasattr(c, _ARMED):
+            delattr(c, _ARMED)
+    return out
+
+
+def select(armed: list[ArraysCache], steps: list[list[tuple[mx.array, mx.array]]], keep: mx.array) -> None:
+    """Set each leaf to its state after keep[b] positions, per row b (keep >= 1, lazy ok)."""
+    for c, recorded in zip(armed, steps):
+        if not recorded:
+            continue
+        if len(recorded) == 1:
+            c.cache = [recorded[0][0], recorded[0][1]]
+            continue
+        index = keep.astype(mx.int32) - 1
+        chosen = []
+        for part in range(2):
+            stacked = mx.stack([s[part] for s in recorded], axis=1)  # [B, S, ...]
+            idx = index.reshape((-1,) + (1,) * (stacked.ndim - 1))
+            chosen.append(mx.take_along_axis(stacked, idx, axis=1)[:, 0])
+        c.cache = chosen

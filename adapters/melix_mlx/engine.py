@@ -1,0 +1,413 @@
+"""The speculative cycle engine: draft -> verify -> accept -> rollback, for B rows at once.
+
+Single-sequence decoding (melix_mlx.decode) runs it with B = 1 on mlx-lm's own cache;
+the batched generator (melix_mlx.batch_generator) on merged batch caches. Both drive
+the same code: there is one acceptance rule, one head catch-up, one rollback.
+
+Rules of this module:
+- One lazy graph and ONE host sync per cycle. `launch` builds: the chained drafts
+  2..k on the head, the batched verify forward, the acceptance test on the device
+  (greedy: argmax compare; sampled: the rejection test with uniforms drawn on the
+  device, one per position, residual resampling and the bonus token), the head's
+  catch-up over the verified block and the NEXT cycle's first draft. `settle` makes
+  the one sync, reads accept lengths and tokens, and trims the caches.
+- Head-slot convention: pair j joins the main model's post-norm hidden h_j with token
+  t_{j+1} and predicts t_{j+2}. The catch-up feeds all k + 1 verified positions with
+  fixed shape (tokens after a row's accepted prefix are don't-care); the next draft is
+  read at position a (the row's accept count), which causal attention keeps blind to
+  the don't-care positions; `settle` then trims those positions. So the head never
+  needs a separate catch-up forward and shapes never depend on acceptance.
+- Rollback without replay: KV layers are trimmed per row (melix_mlx.rollback); recurrent
+  layers are set to the state captured inside the verify at each row's accepted length
+  (melix_mlx.capture). A model whose recurrent layers cannot be captured falls back to
+  restore-and-replay, counted in `replay_forwards`.
+- Rows with k = 0 ride along in a speculating batch as plain decode: their draft slots
+  are padding, their accept count is forced to 0. When no row speculates, `plain`
+  runs a plain [B, 1] forward instead; the hiddens wait as pending head pairs until
+  speculation resumes (`catch_up`), flushed every `PENDING_FLUSH` steps.
+- Faults: an exception while building or evaluating a speculative cycle restores every
+  cache to the cycle's start and is re-raised as `SpeculativeFault`; the caller decides
+  what the rows do next. No token was emitted by a failed cycle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import capture, rollback
+from .hidden import forward_with_hidden
+from .sampling import SamplingParams, normalize_logits, probabilities, sample_from
+
+Sampler = Callable[[mx.array], mx.array]
+PENDING_FLUSH = 32  # plain steps after which pending head pairs are fed to the head
+
+
+class SpeculativeFault(Exception):
+    """A speculative cycle failed; caches were restored to the cycle's start."""
+
+    def __init__(self, cause: BaseException, *, drafted: bool) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+        self.drafted = drafted  # the drafts existed (the verify or a later stage failed)
+
+
+@dataclass
+class RowPlan:
+    """What one row does in the next step."""
+
+    k: int  # drafts to verify this cycle; 0 = decode plainly
+    params: SamplingParams | None  # the distribution its sampler draws from (None: unknown)
+    sampler: Sampler | None  # how it draws a plain token (None: greedy argmax)
+    processors: tuple = ()
+    history: list[int] | None = None  # tokens in its context before y (only with processors)
+
+    @property
+    def greedy(self) -> bool:
+        return self.sampler is None or (self.params is not None and self.params.greedy)
+
+
+@dataclass
+class RowHead:
+    """A row's head state between steps (device arrays are lazy until the next sync)."""
+
+    draft: mx.array | None = None  # [1] the first draft of its next cycle
+    q: mx.array | None = None  # [1, V] the distribution that draft came from (sampled rows)
+    hidden: mx.array | None = None  # [1, 1, D] head output at the draft's position (chaining)
+    pending_h: list[mx.array] = field(default_factory=list)  # [1, D] pairs not yet fed
+    pending_t: list[mx.array] = field(default_factory=list)  # [1] their tokens
+
+    @property
+    def fresh(self) -> bool:
+        return self.draft is not None and not self.pending_t
+
+
+@dataclass
+class Flight:
+    """A launched speculative cycle, not yet synchronised."""
+
+    K: int
+    ks: list[int]
+    inputs: mx.array  # [B, K + 1] y and drafts
+    logprobs: mx.array  # [B, K + 1, V] processed log-probabilities
+    accepted: mx.array  # [B] accept counts
+    bonus: mx.array  # [B] the token after each row's accepted prefix
+    next_draft: mx.array  # [B]
+    next_q: list[mx.array | None]
+    next_hidden: mx.array  # [B, 1, D]
+    checkpoint: rollback.Checkpoint
+    head_checkpoint: rollback.Checkpoint
+    armed: list[Any]
+    steps: list[Any]
+    replay: bool  # recurrent layers without capture: restore and replay at settle
+
+
+@dataclass
+class Settled:
+    """A settled cycle: host values per row."""
+
+    accepted: list[int]
+    tokens: list[list[int]]  # per row: accepted drafts then the bonus token
+    logprobs: mx.array  # [B, K + 1, V]
+
+
+class CycleEngine:
+    """Draft/verify/accept/rollback over B rows; see the module rules."""
+
+    def __init__(self, model: nn.Module, head: nn.Module | None, cache: list[Any], head_cache: list[Any]):
+        self.model = model
+        self.head = head
+        self.cache = cache
+        self.head_cache = head_cache
+        self.captures = capture.supported(model, cache) if rollback.needs_replay(cache) else True
+        self.y: mx.array = mx.zeros((0,), mx.uint32)  # [B] last token, not yet fed
+        self.rows: list[RowHead] = []
+        self.target_forwards = 0
+        self.replay_forwards = 0
+        self.head_forwards = 0
+        self._drafted = False
+
+    # -- rows ----------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def prime(
+        self, head_cache: list[Any], hiddens: mx.array, pair_tokens: list[int], params: SamplingParams | None
+    ) -> RowHead:
+        """A joining row's head: feed its prompt pairs (h_i, t_{i+1}) into `head_cache`."""
+        row = RowHead()
+        if self.head is None:
+            return row
+        logits, out = self.head(hiddens[None], mx.array([pair_tokens]), head_cache)
+        self.head_forwards += 1
+        drafts, qs = self._draw(logits[:, -1], [params])
+        row.draft, row.q = drafts, qs[0]
+        row.hidden = out[:, -1:]
+        return row
+
+    def extend(self, y: mx.array, rows: list[RowHead]) -> None:
+        self.y = mx.concatenate([self.y, y.astype(mx.uint32)])
+        self.rows.extend(rows)
+
+    def filter(self, keep: list[int]) -> None:
+        self.y = self.y[mx.array(keep, dtype=mx.int32)] if keep else mx.zeros((0,), mx.uint32)
+        self.rows = [self.rows[i] for i in keep]
+
+    # -- drafting ----------------------------------------------------------------------
+    def _draw(
+        self, logits: mx.array, params: list[SamplingParams | None]
+    ) -> tuple[mx.array, list[mx.array | None]]:
+        """Draft tokens [B] from head logits [B, V]; per sampled row also its q [1, V]."""
+        tokens = mx.argmax(logits, axis=-1)
+        qs: list[mx.array | None] = [None] * len(params)
+        for i, p in enumerate(params):
+            if p is not None and not p.greedy:
+                qs[i] = probabilities(normalize_logits(logits[i : i + 1]), p)
+                drawn = sample_from(qs[i]).astype(tokens.dtype)
+                tokens = mx.where(mx.arange(len(params)) == i, drawn, tokens)
+        return tokens, qs
+
+    def catch_up(self, plans: list[RowPlan]) -> None:
+        """Feed every stale row's pending pairs to the head in one ragged forward."""
+        stale = [i for i, r in enumerate(self.rows) if r.pending_t]
+        if not stale or self.head is None:
+            return
+        width = max(len(self.rows[i].pending_t) for i in stale)
+        dim = next(self.rows[i].pending_h[0].shape[-1] for i in stale)
+        dtype = self.rows[stale[0]].pending_h[0].dtype
+        hs, ts, real = [], [], []
+        for row in self.rows:
+            n = len(row.pending_t)
+            pad = width - n
+            h = mx.concatenate(row.pending_h, axis=0) if n else mx.zeros((0, dim), dtype)
+            t = mx.concatenate(row.pending_t).astype(mx.uint32) if n else mx.zeros((0,), mx.uint32)
+            hs.append(mx.concatenate([h, mx.zeros((pad, dim), dtype)]) if pad else h)
+            ts.append(mx.concatenate([t, mx.zeros((pad,), mx.uint32)]) if pad else t)
+            real.append(n)
+        logits, out = self.head(mx.stack(hs), mx.stack(ts), self.head_cache)
+        self.head_forwards += 1
+        rollback.drop_row_suffixes(self.head_cache, [width - n for n in real])
+        last = mx.array([max(n - 1, 0) for n in real])
+        step_logits = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+        step_hidden = mx.take_along_axis(out, last[:, None, None], axis=1)
+        drafts, qs = self._draw(step_logits, [p.params for p in plans])
+        for i in stale:
+            row = self.rows[i]
+            row.draft, row.q, row.hidden = drafts[i : i + 1], qs[i], step_hidden[i : i + 1]
+            row.pending_h, row.pending_t = [], []
+
+    # -- one speculative cycle ----------------------------------------------------------
+    def launch(self, plans: list[RowPlan]) -> Flight:
+        """Build the cycle's graph and start it on the device (`mx.async_eval`)."""
+        ks = [p.k for p in plans]
+        K = max(ks)
+        B = len(plans)
+        cp = rollback.checkpoint(self.cache)
+        head_cp = rollback.checkpoint(self.head_cache)
+        self._drafted = False
+        try:
+            flight = self._build(plans, ks, K, B, cp, head_cp)
+            mx.async_eval(flight.accepted, flight.bonus, flight.inputs, flight.next_draft)
+        except Exception as exc:
+            rollback.restore(self.cache, cp)
+            rollback.restore(self.head_cache, head_cp)
+            raise SpeculativeFault(exc, drafted=self._drafted) from exc
+        return flight
+
+    def _build(self, plans, ks, K, B, cp, head_cp) -> Flight:
+        params = [p.params for p in plans]
+        self.catch_up(plans)  # rows that decoded plainly since their last cycle
+        # 1. drafts: column 0 came from the previous cycle; chain the head for the rest
+        columns = [mx.concatenate([r.draft for r in self.rows]).astype(mx.uint32)]
+        qcols: list[list[mx.array | None]] = [[r.q for r in self.rows]]
+        chained = mx.concatenate([r.hidden for r in self.rows], axis=0)
+        for _ in range(1, K):
+            logits, chained = self.head(chained, columns[-1][:, None], self.head_cache)
+            self.head_forwards += 1
+            tokens, qs = self._draw(logits[:, -1], params)
+            columns.append(tokens.astype(mx.uint32))
+            qcols.append(qs)
+        drafts = mx.stack(columns, axis=1)  # [B, K]
+        mx.async_eval(drafts)  # a head that fails on the device fails here, as a head fault
+        self._drafted = True
+        inputs = mx.concatenate([self.y[:, None], drafts], axis=1)
+        # 2. verify, recording recurrent states per position where the layers can
+        armed = capture.arm(self.cache) if self.captures else []
+        try:
+            logits, hidden = forward_with_hidden(self.model, inputs, self.cache)
+        finally:
+            steps = capture.collect(armed)
+        self.target_forwards += 1
+        logprobs = self._logprobs(plans, logits, inputs)
+        # 3. acceptance on the device
+        accepted, bonus = self._accept(plans, ks, K, drafts, qcols, logprobs)
+        if armed:
+            capture.select(armed, steps, accepted + 1)
+        # 4. the head: drop the chained entries, catch up on the verified block, draft next
+        if K > 1:
+            rollback.trim_all(self.head_cache, K - 1)
+        pos = mx.arange(K + 1)[None]
+        padded = mx.concatenate([drafts, mx.zeros((B, 1), mx.uint32)], axis=1)
+        pair_tokens = mx.where(pos < accepted[:, None], padded, bonus[:, None].astype(mx.uint32))
+        head_logits, head_hidden = self.head(hidden, pair_tokens, self.head_cache)
+        self.head_forwards += 1
+        at = accepted[:, None, None]
+        next_draft, next_q = self._draw(mx.take_along_axis(head_logits, at, axis=1)[:, 0], params)
+        return Flight(
+            K=K,
+            ks=ks,
+            inputs=inputs,
+            logprobs=logprobs,
+            accepted=accepted,
+            bonus=bonus,
+            next_draft=next_draft.astype(mx.uint32),
+            next_q=next_q,
+            next_hidden=mx.take_along_axis(head_hidden, at, axis=1),
+            checkpoint=cp,
+            head_checkpoint=head_cp,
+            armed=armed,
+            steps=steps,
+            replay=not self.captures,
+        )
+
+    def _logprobs(self, plans: list[RowPlan], logits: mx.array, inputs: mx.array) -> mx.array:
+        """Processed log-probabilities [B, L, V]; logits processors see the token history."""
+        if not any(p.processors for p in plans):
+            return normalize_logits(logits)
+        fed = inputs.tolist()  # processors need the drafts' values: an extra sync
+        rows = []
+        for i, plan in enumerate(plans):
+            if not plan.processors:
+                rows.append(normalize_logits(logits[i]))
+                continue
+            positions = []
+            for j in range(logits.shape[1]):
+                history = mx.array((plan.history or []) + fed[i][: j + 1])
+                row = logits[i, j : j + 1]
+                for processor in plan.processors:
+                    row = processor(history, row)
+                positions.append(row)
+            rows.append(normalize_logits(mx.concatenate(positions, axis=0)))
+        return mx.stack(rows)
+
+    def _accept(self, plans, ks, K, drafts, qcols, logprobs) -> tuple[mx.array, mx.array]:
+        """Accept counts [B] and bonus tokens [B], on the device."""
+        B = len(plans)
+        targets = mx.argmax(logprobs, axis=-1)  # [B, K + 1]
+        allowed = mx.arange(K)[None] < mx.array(ks)[:, None]
+        match = (drafts == targets[:, :K].astype(drafts.dtype)) & allowed
+        accepted = mx.cumprod(match.astype(mx.int32), axis=1).sum(axis=1)
+        bonus = mx.take_along_axis(targets, accepted[:, None], axis=1)[:, 0]
+        rows = mx.arange(B)
+        for i, plan in enumerate(plans):
+            if plan.greedy:
+                continue
+            if ks[i] == 0:  # plain ride-along: the row's own sampler, as mlx-lm draws
+                token = plan.sampler(logprobs[i, 0:1]).reshape(())
+                a = mx.array(0, mx.int32)
+            else:
+                q = mx.concatenate([qcols[j][i] for j in range(ks[i])], axis=0)
+                a, token = accept_sampled(drafts[i, : ks[i]], q, logprobs[i, : ks[i] + 1], plan.params)
+            accepted = mx.where(rows == i, a, accepted)
+            bonus = mx.where(rows == i, token.astype(bonus.dtype), bonus)
+        return accepted, bonus
+
+    def settle(self, flight: Flight) -> Settled:
+        """The cycle's one sync; trims the caches to each row's accepted prefix."""
+        try:
+            mx.eval(flight.accepted, flight.bonus, flight.inputs, flight.next_draft)
+        except Exception as exc:
+            self._undo(flight)
+            raise SpeculativeFault(exc, drafted=True) from exc
+        accepted = flight.accepted.tolist()
+        fed = flight.inputs.tolist()
+        bonus = flight.bonus.tolist()
+        K = flight.K
+        keep = [a + 1 for a in accepted]
+        if flight.replay and any(n < K + 1 for n in keep):
+            self._replay(flight, fed, keep)
+        else:
+            rollback.drop_row_suffixes(self.cache, [K + 1 - n for n in keep], skip_recurrent=True)
+        rollback.drop_row_suffixes(self.head_cache, [K - a for a in accepted])
+        self.y = flight.bonus.astype(mx.uint32)
+        for i, row in enumerate(self.rows):
+            row.draft = flight.next_draft[i : i + 1]
+            row.q = flight.next_q[i]
+            row.hidden = flight.next_hidden[i : i + 1]
+            row.pending_h, row.pending_t = [], []
+        tokens = [fed[i][1 : a + 1] + [bonus[i]] for i, a in enumerate(accepted)]
+        return Settled(accepted, tokens, flight.logprobs)
+
+    def abandon(self, flight: Flight) -> None:
+        """Undo a launched cycle that will never be settled (the consumer stopped)."""
+        self._undo(flight)
+
+    def _undo(self, flight: Flight) -> None:
+        if flight.armed:
+            capture.collect(flight.armed)
+        rollback.restore(self.cache, flight.checkpoint)
+        rollback.restore(self.head_cache, flight.head_checkpoint)
+
+    def _replay(self, flight: Flight, fed: list[list[int]], keep: list[int]) -> None:
+        """Restore-and-replay for recurrent layers without capture (counted)."""
+        rollback.restore(self.cache, flight.checkpoint)
+        rollback.ragged_forward(
+            lambda x, c: forward_with_hidden(self.model, x, c), [f[:n] for f, n in zip(fed, keep)], self.cache
+        )
+        self.replay_forwards += 1
+
+    # -- plain steps -----------------------------------------------------------------------
+    def plain(self, plans: list[RowPlan]) -> tuple[mx.array, mx.array]:
+        """One plain forward of every row's y: (next tokens [B], log-probs [B, V]), lazy.
+
+        The hidden state waits as a pending head pair (fed at the next catch-up).
+        """
+        logits, hidden = forward_with_hidden(self.model, self.y[:, None], self.cache)
+        self.target_forwards += 1
+        logprobs = self._logprobs(plans, logits, self.y[:, None])[:, 0]
+        tokens = mx.argmax(logprobs, axis=-1)
+        rows = mx.arange(len(plans))
+        for i, plan in enumerate(plans):
+            if not plan.greedy:
+                tokens = mx.where(rows == i, plan.sampler(logprobs[i : i + 1]).reshape(()), tokens)
+        tokens = tokens.astype(mx.uint32)
+        if self.head is not None:
+            for i, row in enumerate(self.rows):
+                row.pending_h.append(hidden[i, -1:])
+                row.pending_t.append(tokens[i : i + 1])
+            if max(len(r.pending_t) for r in self.rows) >= PENDING_FLUSH:
+                self.catch_up(plans)
+        self.y = tokens
+        return tokens, logprobs
+
+
+def accept_sampled(
+    drafts: mx.array, q: mx.array, logprobs: mx.array, params: SamplingParams
+) -> tuple[mx.array, mx.array]:
+    """Speculative-sampling acceptance for one row, on the device.
+
+    drafts [k], q [k, V] (what each draft was drawn from), logprobs [k + 1, V] (the
+    target's processed log-probabilities). Accept draft j with probability
+    min(1, p(d_j) / q(d_j)), one independent uniform per position; at the first
+    rejection draw from normalise(max(p - q, 0)); after k acceptances draw from p.
+    Returns (accept count, next token), both scalars.
+    """
+    k = drafts.shape[0]
+    p = probabilities(logprobs, params)  # [k + 1, V]
+    idx = drafts.astype(mx.int32)[:, None]
+    p_d = mx.take_along_axis(p[:k], idx, axis=-1)[:, 0]
+    q_d = mx.take_along_axis(q, idx, axis=-1)[:, 0]
+    u = mx.random.uniform(shape=(k,))
+    accepted = mx.cumprod((u * q_d < p_d).astype(mx.int32)).sum()
+    # q padded with a zero row: at a == k the residual is p[k] itself
+    q_pad = mx.concatenate([q, mx.zeros((1, q.shape[-1]), q.dtype)], axis=0)
+    p_a = mx.take(p, accepted, axis=0)
+    residual = mx.maximum(p_a - mx.take(q_pad, accepted, axis=0), 0.0)
+    total = residual.sum()
+    # p == q makes the residual empty (rejection had probability 0): guard round-off with p
+    dist = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p_a)
+    return accepted, mx.random.categorical(mx.log(dist))
