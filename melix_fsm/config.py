@@ -21,13 +21,14 @@ import enum
 import json
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
 from .errors import ConfigError
 
 MAX_DRAFT_TOKENS = 16
+AUTO_DEPTH = "auto"  # num_draft_tokens = "auto": the live controller chooses k from measurement
 MAX_PROFILE_BYTES = 1 * 2**20
 
 
@@ -62,7 +63,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     """The resolved operator contract for one speculative start."""
 
     method: Method = Method.mtp
-    num_draft_tokens: int = 1
+    num_draft_tokens: int | Literal["auto"] = 1
     draft_model: str | None = None
     device_policy: DevicePolicy = DevicePolicy.auto
     sources: Sources = Sources()
@@ -79,6 +80,15 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
 
 
 SETTINGS: tuple[str, ...] = ("method", "num_draft_tokens", "draft_model", "device_policy")
+
+
+def int_or_auto(text: str) -> int | Literal["auto"]:
+    """A command-line --num-draft-tokens value (an argparse `type`): an integer or "auto".
+
+    Raises ValueError, which argparse reports as a usage error; the range is checked by
+    `speculative_config` like every other value.
+    """
+    return AUTO_DEPTH if text == AUTO_DEPTH else int(text)
 
 
 def _enum(setting: str, value: Any, kind: type[enum.StrEnum]) -> Any:
@@ -105,8 +115,10 @@ def _check_value(setting: str, value: Any) -> Any:
     if setting == "device_policy":
         return _enum(setting, value, DevicePolicy)
     if setting == "num_draft_tokens":
+        if value == AUTO_DEPTH:
+            return AUTO_DEPTH
         if type(value) is not int:
-            raise ConfigError(setting, f"{value!r} is not an integer")
+            raise ConfigError(setting, f"{value!r} is not an integer or 'auto'")
         if not 1 <= value <= MAX_DRAFT_TOKENS:
             raise ConfigError(setting, f"{value} is outside [1, {MAX_DRAFT_TOKENS}]")
         return value
@@ -164,7 +176,7 @@ def speculative_config(
     *,
     profile: str | Path | None = None,
     method: Method | str | None = None,
-    num_draft_tokens: int | None = None,
+    num_draft_tokens: int | Literal["auto"] | None = None,
     draft_model: str | Path | None = None,
     device_policy: DevicePolicy | str | None = None,
 ) -> SpeculativeConfig:

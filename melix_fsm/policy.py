@@ -75,6 +75,36 @@ class Reason(enum.StrEnum):
 # ---- value types ------------------------------------------------------------------
 
 
+class CycleForwards(msgspec.Struct, frozen=True, kw_only=True):
+    """The forwards one speculative cycle runs, as counts per cycle (rates may be fractional).
+
+    verify: target verifies (1). head: head draft steps (None: k, one per draft).
+    replay: target forwards that rebuild recurrent state after a rejection, per cycle: an
+    engine that restores a pre-verify checkpoint and re-runs the kept tokens replays on
+    every rejecting cycle (`replay_rate`); one that captures the state inside the verify
+    replays never (0). The cost model is only true if this list is.
+    """
+
+    verify: float = 1.0
+    head: float | None = None
+    replay: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("verify", "head", "replay"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0.0):
+                raise PolicyError(f"cycle forwards: {name} must be a finite count >= 0, got {value!r}")
+
+
+def replay_rate(acceptance: float, k: int, rows: int = 1) -> float:
+    """Replays per cycle of a restore-and-replay engine: P(some row rejects a draft).
+
+    A row keeps all k chained drafts with probability a^k; one rejecting row replays the
+    whole batch, so the batch replays unless every row kept everything.
+    """
+    return 1.0 - acceptance ** (k * rows)
+
+
 class Timings(msgspec.Struct, frozen=True, kw_only=True):
     """Median forward times (seconds) at one batch size, as calibration measured them.
 
@@ -91,11 +121,14 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True):
     runs: int = 0
     spread: float = 0.0
     note: str = ""
+    t_replay: float | None = None  # one replay forward; None: priced as a verify (an upper bound)
 
     def __post_init__(self) -> None:
-        for name in ("t_1", "t_verify", "t_head"):
+        for name in ("t_1", "t_verify", "t_head", "t_replay"):
             value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0.0) or (name != "t_head" and value == 0.0):
+            if value is None and name == "t_replay":
+                continue
+            if not (math.isfinite(value) and value >= 0.0) or (name in ("t_1", "t_verify") and value == 0.0):
                 raise PolicyError(f"timings: {name} must be a finite positive time, got {value!r}")
         if self.k < 1 or self.batch_size < 1:
             raise PolicyError(f"timings: need k >= 1 and batch_size >= 1, got {self.k}, {self.batch_size}")
@@ -103,7 +136,18 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def cycle_cost(self) -> float:
         """Cost of one speculative cycle in plain-decode steps: (t_verify + k t_head) / t_1."""
-        return (self.t_verify + self.k * self.t_head) / self.t_1
+        return self.cost(CycleForwards())
+
+    def cost(self, forwards: CycleForwards) -> float:
+        """Cost of one cycle running `forwards`, in plain-decode steps (units of t_1).
+
+        Every forward the cycle really runs is on the list: a model that leaves one out
+        (the replay of recurrent caches) over-predicts the speedup.
+        """
+        head = self.k if forwards.head is None else forwards.head
+        t_replay = self.t_verify if self.t_replay is None else self.t_replay
+        seconds = forwards.verify * self.t_verify + head * self.t_head + forwards.replay * t_replay
+        return seconds / self.t_1
 
     @property
     def marginal_token_cost(self) -> float:
@@ -199,6 +243,8 @@ class HardwareDecision(msgspec.Struct, frozen=True, kw_only=True):
     measured_regime: Regime | None = None
     hardware: HardwarePrior | None = None
     detail: str = ""
+    replay_rate: float | None = None  # replay forwards per cycle the cost model priced in
+    cycle_cost: float | None = None  # every forward of one cycle, in units of t_1
 
     @property
     def speculate(self) -> bool:
@@ -215,17 +261,21 @@ def decide(
     margin: float = DEFAULT_MARGIN,
     *,
     hardware: HardwarePrior | None = None,
+    forwards: CycleForwards | None = None,
 ) -> HardwareDecision:
     """Admit speculation when measured timings predict a speedup of at least 1 + margin.
 
     timings: the measurement, the typed failure of one, or None (not measured yet).
+    forwards: what one cycle runs (default: a verify and k head steps, no replay).
     The hardware prior is recorded, never used to admit: measurement decides.
     """
     policy = Policy(policy)
     fields: dict[str, object] = {}
     if isinstance(timings, Timings):
+        forwards = forwards or CycleForwards()
         e = expected_tokens(prior.acceptance, timings.k)
-        speedup = predicted_speedup(e, timings)
+        cost = timings.cost(forwards)
+        speedup = e / cost
         regime = timings.regime
         fields = dict(
             t_1=timings.t_1,
@@ -237,6 +287,8 @@ def decide(
             expected_tokens=e,
             predicted_speedup=speedup,
             measured_regime=regime,
+            replay_rate=forwards.replay,
+            cycle_cost=cost,
         )
         if speedup >= 1.0 + margin:
             gate = Gate.admitted
@@ -305,13 +357,24 @@ class TimingTable(msgspec.Struct, frozen=True, kw_only=True):
     def k(self) -> int:
         return self.entries[0].k
 
-    def at(self, batch_size: int) -> tuple[Timings, bool]:
-        """(timings at batch_size, whether they were extrapolated beyond measured points)."""
+    def at(self, batch_size: int, k: int | None = None) -> tuple[Timings, bool]:
+        """(timings at batch_size, whether they were extrapolated beyond measured points).
+
+        k: the depth to price (default: the calibrated one). Another depth reads its
+        verify, B(k+1) tokens, off the same cost curve; the 1-token step and the head
+        keep their measured figures at a calibrated batch size.
+        """
+        k = self.k if k is None else k
+        if k < 1:
+            raise PolicyError(f"timing table: k must be >= 1, got {k}")
+        points = _cost_curve(self.entries)
         for t in self.entries:
             if t.batch_size == batch_size:
-                return t, False
-        k = self.k
-        points = _cost_curve(self.entries)
+                if k == t.k:
+                    return t, False
+                extrapolated = batch_size * (k + 1) > points[-1][0]
+                t_verify = max(t.t_1, _curve_at(points, batch_size * (k + 1), self.beyond_slope))
+                return msgspec.structs.replace(t, k=k, t_verify=t_verify, note="interpolated"), extrapolated
         n_lo, n_hi = points[0][0], points[-1][0]
         t_1 = _curve_at(points, batch_size, self.beyond_slope)
         t_verify = _curve_at(points, batch_size * (k + 1), self.beyond_slope)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -37,7 +37,8 @@ from .checkpoint import (
     sidecar_marker,
     tokenizer_vocab,
 )
-from .config import DevicePolicy, Method, Sources, SpeculativeConfig
+from .config import AUTO_DEPTH, DevicePolicy, Method, Sources, SpeculativeConfig
+from .depth_policy import AUTO_MAX_DEPTH, DepthDecision
 from .errors import CheckpointError
 from .lifecycle import ADMIT, Event, SequenceMachine, Signal
 from .policy import HardwareDecision
@@ -45,7 +46,7 @@ from .reasons import RefusalReason
 from .registry import Chain, Concat, Family, NormRepair, Registry, Support, registry
 from .spec import spec_dir
 
-SCHEMA_ID = "melix-fsm/receipt/1"
+SCHEMA_ID = "melix-fsm/receipt/2"
 MAX_HEADS = 64  # more advertised head layers than this is a corrupt config, not a model
 MAX_LAYERS = 100_000
 
@@ -92,7 +93,7 @@ class Receipt(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     mode: Mode
     lifecycle_state: str  # the row's lifecycle state after resolution: admitted | refused
     source: Sources
-    num_draft_tokens: int
+    num_draft_tokens: int | Literal["auto"]
     draft_model: str | None
     device_policy: DevicePolicy
     family: str | None
@@ -101,7 +102,7 @@ class Receipt(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     head_module: str | None
     validated: bool  # acceptance checked on a real checkpoint of this family
     head_count: int  # head layers the config advertises
-    effective_depth: int  # draft tokens per cycle when speculating, else 0
+    effective_depth: int  # draft tokens per cycle when speculating (auto: the most), else 0
     head_format: str | None  # "hf" or "melix" (converted by this project)
     weights_present: bool
     weight_count: int
@@ -122,6 +123,7 @@ class Receipt(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     draft_vocab_size: int | None
     hardware_gate: HardwareGate = HardwareGate.not_evaluated
     hardware: HardwareDecision | None = None  # the device policy's decision and its inputs
+    depth: DepthDecision | None = None  # the depth the run starts with (set with the hardware gate)
     operator_override: bool
     refusal_reason: RefusalReason | None
     message: str
@@ -289,7 +291,11 @@ def _assess_mtp(
             f"{family.name} borrows the {family.layout_of} head layout, which is not yet validated "
             "on a real checkpoint of this family",
         )
-    if config.num_draft_tokens > heads and family.chain is Chain.none:
+    if (
+        config.num_draft_tokens != AUTO_DEPTH
+        and config.num_draft_tokens > heads
+        and family.chain is Chain.none
+    ):
         raise _Refusal(
             RefusalReason.depth_exceeds_heads,
             f"num_draft_tokens = {config.num_draft_tokens} exceeds the {heads} head layer(s) "
@@ -300,9 +306,10 @@ def _assess_mtp(
             RefusalReason.unsupported_quantization, f"{family.name} heads cannot run on quantized weights"
         )
     _caches(reg, kinds, context, r)
+    r["max_depth"] = min(heads, AUTO_MAX_DEPTH) if family.chain is Chain.none else AUTO_MAX_DEPTH
     return (
         f"mtp admitted: {family.name} head, {heads} layer(s), {scan.weight_count} tensors in "
-        f"{', '.join(scan.files)}; depth {config.num_draft_tokens}"
+        f"{', '.join(scan.files)}; depth {_depth_text(config, r)}"
     )
 
 
@@ -326,9 +333,21 @@ def _assess_draft(
     kinds += [k for k in _cache_kinds(draft_family, draft) if k not in kinds]
     _check_vocab(model, config.draft_model, r)
     _caches(reg, kinds, context, r)
+    r["max_depth"] = AUTO_MAX_DEPTH
     return (
-        f"draft_model admitted: {draft_family.name} drafts for {family.name}; depth {config.num_draft_tokens}"
+        f"draft_model admitted: {draft_family.name} drafts for {family.name}; depth {_depth_text(config, r)}"
     )
+
+
+def _depth_text(config: SpeculativeConfig, r: dict) -> str:
+    if config.num_draft_tokens == AUTO_DEPTH:
+        return f"auto (1..{r['max_depth']}, chosen live from measurement)"
+    return str(config.num_draft_tokens)
+
+
+def _effective_depth(config: SpeculativeConfig, max_depth: int) -> int:
+    """Draft tokens per cycle: the fixed k, or under auto the most the controller may pick."""
+    return max_depth if config.num_draft_tokens == AUTO_DEPTH else int(config.num_draft_tokens)
 
 
 def _check_vocab(model: str, draft_model: str, r: dict) -> None:
@@ -408,12 +427,13 @@ def resolve(
     else:
         machine.send(Signal(event=Event("refuse"), reason=f"{reason.value}: {message}"))
     resolved = config.method if mode is Mode.accepted else Method.none
+    max_depth = r.pop("max_depth", AUTO_MAX_DEPTH)
     return Receipt(
         **r,
         resolved_method=resolved,
         mode=mode,
         lifecycle_state=machine.state.value,
-        effective_depth=config.num_draft_tokens if mode is Mode.accepted else 0,
+        effective_depth=_effective_depth(config, max_depth) if mode is Mode.accepted else 0,
         refusal_reason=reason,
         message=message,
     )
@@ -435,17 +455,22 @@ def schema_path() -> Path:
     return spec_dir() / "receipt.schema.json"
 
 
-def with_hardware(receipt: Receipt, decision: HardwareDecision) -> Receipt:
+def with_hardware(
+    receipt: Receipt, decision: HardwareDecision, depth: DepthDecision | None = None
+) -> Receipt:
     """The receipt once the device policy has measured the loaded model.
 
     An admitted start whose gate comes out disabled becomes a refusal with reason
     `device_policy_disabled`; its lifecycle row is admitted and then suspended by the
-    policy (not refused), because the policy may resume it when the cost model pays.
+    policy (not refused). The live controller may resume it when speculation measures
+    faster, except after a failed calibration, which disables it for the run.
+    `depth`: the depth the run starts with (the live controller's `depth_decision`).
     """
     changes: dict[str, Any] = {
         "hardware_gate": HardwareGate(decision.hardware_gate.value),
         "hardware": decision,
         "operator_override": receipt.operator_override or decision.operator_override,
+        "depth": depth,
     }
     if receipt.mode is Mode.accepted:
         if decision.speculate:

@@ -1,0 +1,659 @@
+"""The live controller: speculate only while speculation measures faster than plain decode.
+
+Rules of this module:
+- Pure and sans-IO: no mlx, no clock. The engine times each decode step and passes the
+  seconds to `update`; the controller is a pure function of what it was fed, so two
+  ranks fed the same numbers decide the same, and tests drive it with synthetic timings.
+- Measured, not predicted. Speculative steps measure tokens/s at the running depth;
+  plain steps measure plain tokens/s, both over forgetting windows
+  (melix_fsm.throughput). While speculating, a short PLAIN probe now and then measures
+  the plain side on the live workload; while suspended, a short SPECULATIVE probe
+  measures the other side. Switches need both sides measured; the calibrated cost model
+  (melix_fsm.policy) is only the prior: it takes the first on/off decision and picks the
+  first depth, and it decides alone only for callers that pass no seconds.
+- Samples are comparable across batch sizes: each step's tokens are weighted by
+  t_1(B) / B from the calibration (1 / B without one), so a plain step that runs exactly
+  as calibrated scores 1.0 and a speculative one scores its speedup.
+- Hysteresis: suspend below `suspend_below`, resume above `resume_above`, and no two
+  policy switches within `min_dwell` steps; probes back off geometrically while they
+  keep confirming the current state.
+- Fail closed: a failed or missing calibration under `auto` gives a DISABLED controller
+  that never speculates (receipt, stats and behaviour agree). `force_on` never suspends,
+  `force_off` never speculates.
+- Distributed: a decision taken from wall-clock time differs between ranks. The caller
+  passes `agree` (e.g. a broadcast of rank 0's `Decision`), called on every rank at every
+  update; the controller adopts what it returns, so every rank drafts the same k.
+- The engine reads `speculating` and `k` before each step and applies the returned
+  `Action` (suspend / resume rows through lifecycle events) at the cycle boundary.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import msgspec
+
+from .depth_policy import (
+    AUTO_MAX_DEPTH,
+    DepthChooser,
+    DepthConfig,
+    DepthDecision,
+    DepthEvent,
+    DepthReason,
+    model_choice,
+)
+from .policy import (
+    DEFAULT_MARGIN,
+    GENERIC_PRIOR,
+    AcceptancePrior,
+    Action,
+    CycleForwards,
+    Policy,
+    Timings,
+    TimingTable,
+    acceptance_rate_of,
+)
+from .policy_errors import CalibrationError, PolicyError
+from .throughput import PositionAcceptance, Rate
+
+
+class LiveReason(enum.StrEnum):
+    """Why the live controller switched (the lifecycle suspend / resume reason)."""
+
+    prior_admitted = "prior_admitted"  # the cost model admitted the start
+    prior_disabled = "prior_disabled"  # the cost model disabled the start
+    not_measured = "not_measured"  # auto without a calibration: disabled
+    measured_slower = "measured_slower"  # speculative tokens/s measured below plain
+    measured_faster = "measured_faster"  # a plain probe measured slower than speculation
+    plain_probe = "plain_probe"  # a plain window starts, to measure plain tokens/s live
+    probe = "probe"  # a speculative window starts while suspended
+    probe_passed = "probe_passed"  # the speculative probe measured faster: stay on
+    probe_failed = "probe_failed"  # it did not: suspended again, longer wait
+    probe_inconclusive = "probe_inconclusive"  # too few usable samples: back to where it was
+    low_acceptance = "low_acceptance"  # untimed (cost model): acceptance no longer pays
+    compute_bound = "compute_bound"  # untimed: not even perfect acceptance pays here
+    above_threshold = "above_threshold"  # the estimate pays again
+    shared_decision = "shared_decision"  # rank 0's decision replaced this rank's
+
+
+class LiveConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Constants of the live controller (steps are `update` calls)."""
+
+    decay: float = 0.95  # per-sample forgetting of the throughput sums (~20-step window)
+    acceptance_decay: float = 0.98  # per-step forgetting of per-position acceptance
+    alpha: float = 0.1  # EMA of accepted / proposed (reported; the untimed fallback)
+    min_samples: int = 4  # timed steps before a side's throughput counts as measured
+    every: int = 4  # compare the two sides every N steps
+    suspend_below: float = 0.97  # suspend when measured speedup falls below this
+    resume_above: float = 1.03  # resume only above this
+    min_dwell: int = 16  # steps after a policy switch before the next one
+    first_probe_after: int = 16  # steps before the first probe of the unmeasured side
+    plain_probe_every: int = 128  # steps between plain probes while speculating ...
+    probe_after: int = 64  # ... and between speculative probes while suspended
+    probe_steps: int = 8  # timed steps in one probe window
+    probe_max_steps: int = 32  # a probe ends after this many steps (excluded ones count)
+    probe_backoff: float = 2.0  # each probe that confirms the current state doubles the wait
+    probe_max_after: int = 1024  # ... up to this many steps
+    margin: float = DEFAULT_MARGIN  # the prior admits at predicted speedup >= 1 + margin
+    depth: DepthConfig = DepthConfig()
+
+    def __post_init__(self) -> None:
+        if not (0.0 < self.decay < 1.0 and 0.0 < self.acceptance_decay <= 1.0 and 0.0 < self.alpha <= 1.0):
+            raise PolicyError("live controller: decay in (0, 1), acceptance_decay and alpha in (0, 1]")
+        if not self.suspend_below < self.resume_above:
+            raise PolicyError("live controller: suspend_below must be below resume_above (the hysteresis)")
+        small = (self.min_samples, self.every, self.first_probe_after, self.plain_probe_every)
+        if min(*small, self.probe_after, self.probe_steps) < 1 or self.min_dwell < 0:
+            raise PolicyError("live controller: step counts must be >= 1 (min_dwell >= 0)")
+        if self.probe_max_steps < self.probe_steps or self.min_samples > self.probe_steps:
+            raise PolicyError("live controller: probe_max_steps >= probe_steps >= min_samples")
+        if self.probe_backoff < 1.0 or self.probe_max_after < max(self.probe_after, self.plain_probe_every):
+            raise PolicyError("live controller: probe_backoff >= 1, probe_max_after >= the probe waits")
+
+
+class Decision(msgspec.Struct, frozen=True):
+    """What the next step does: the value ranks share (rank 0's wins)."""
+
+    speculating: bool
+    k: int
+
+    def as_ints(self) -> tuple[int, int]:
+        """For a collective: e.g. all_sum of [speculating, k] with zeros off rank 0."""
+        return int(self.speculating), self.k
+
+    @classmethod
+    def from_ints(cls, values: Sequence[float]) -> Decision:
+        return cls(bool(round(values[0])), max(1, int(round(values[1]))))
+
+
+class LiveEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """One recorded on/off decision with the measurements it was taken from."""
+
+    step: int
+    action: Action
+    reason: str  # a LiveReason, or the calibration's failure reason for a disabled start
+    batch_size: int
+    k: int
+    speculating: bool  # after the decision
+    measured_speedup: float | None = None  # speculative / plain normalised tokens/s
+    spec_rate: float | None = None
+    plain_rate: float | None = None
+    predicted_speedup: float | None = None  # the cost model's, with live acceptance
+    source: str = ""  # measured | measured_spec (vs the calibrated plain) | model | none
+
+
+class LiveCounters(msgspec.Struct, kw_only=True):
+    """Counters of one run (the stats' `policy` block)."""
+
+    steps: int = 0
+    steps_speculative: int = 0  # steps that drafted
+    steps_plain: int = 0
+    steps_suspended: int = 0  # steps taken while the controller said plain
+    steps_excluded: int = 0  # steps overlapping a prefill: counted, timing unused
+    steps_untimed: int = 0  # steps fed without seconds
+    evaluations: int = 0
+    suspend_decisions: int = 0
+    resume_decisions: int = 0  # passed probes included
+    plain_probes: int = 0
+    probes: int = 0  # speculative probes while suspended
+    probes_passed: int = 0
+    probes_failed: int = 0
+    probes_inconclusive: int = 0
+    shared_overrides: int = 0  # updates where rank 0's decision replaced this rank's
+
+
+class Estimate(msgspec.Struct, frozen=True, kw_only=True):
+    speedup: float | None
+    source: str
+    spec_rate: float | None = None
+    plain_rate: float | None = None
+    predicted: float | None = None
+
+
+class LiveController:
+    """Keeps speculation on only while it measures faster than plain decode; picks k.
+
+    timings: the calibration (its prior), the typed failure of one (disabled under auto),
+    or None (auto: disabled, not measured; force_on / force_off need none).
+    prior: the acceptance prior. depth: a fixed k, or "auto" (1..max_depth, chosen live).
+    batch_size: the batch the prior decides for. active: the admission decision
+    (`HardwareDecision.speculate`); None lets the prior decide here.
+    replay_on_reject: the engine re-runs kept tokens after a rejection on recurrent
+    caches; the cost model then prices that replay forward. agree: the distributed hook.
+    """
+
+    def __init__(
+        self,
+        timings: TimingTable | Timings | CalibrationError | None,
+        *,
+        prior: AcceptancePrior = GENERIC_PRIOR,
+        policy: Policy | str = Policy.auto,
+        depth: int | Literal["auto"] = 1,
+        max_depth: int | None = None,
+        batch_size: int = 1,
+        active: bool | None = None,
+        replay_on_reject: bool = False,
+        config: LiveConfig | None = None,
+        agree: Callable[[Decision], Decision] | None = None,
+    ) -> None:
+        self.policy = Policy(policy)
+        self.config = cfg = config or LiveConfig()
+        self.prior = prior
+        self.replay_on_reject = replay_on_reject
+        self.agree = agree
+        self.failure = timings if isinstance(timings, CalibrationError) else None
+        if isinstance(timings, Timings):
+            timings = TimingTable.of(timings)
+        self.table: TimingTable | None = timings if isinstance(timings, TimingTable) else None
+        if timings is not None and not isinstance(timings, (TimingTable, CalibrationError)):
+            raise PolicyError(f"live controller: unexpected timings {type(timings).__name__}")
+        auto_depth = depth == "auto"
+        if not auto_depth and (type(depth) is not int or depth < 1):
+            raise PolicyError(f"live controller: depth must be an int >= 1 or 'auto', got {depth!r}")
+        max_k = (max_depth or AUTO_MAX_DEPTH) if auto_depth else int(depth)
+        if max_k < 1:
+            raise PolicyError(f"live controller: max_depth must be >= 1, got {max_k}")
+        self.acceptance = PositionAcceptance(max_k, cfg.acceptance_decay, prior.acceptance)
+        self.ema = acceptance_rate_of(prior.acceptance, max_k)
+        self.plain = Rate(cfg.decay)
+        self._batch_size = batch_size
+        first_k = self._prior_depth(batch_size, max_k) if auto_depth else max_k
+        self.depth = DepthChooser(
+            max_k=max_k,
+            initial_k=first_k,
+            auto=auto_depth,
+            acceptance=self.acceptance,
+            decay=cfg.decay,
+            config=cfg.depth,
+        )
+        self.depth_reason = DepthReason.prior if auto_depth else DepthReason.fixed
+        self.depth_decision = DepthDecision(
+            mode="auto" if auto_depth else "fixed",
+            k=first_k,
+            max_k=max_k,
+            reason=self.depth_reason,
+            predicted_speedup={
+                str(k): s
+                for k in range(1, max_k + 1)
+                if auto_depth and (s := self._predicted(batch_size, k)) is not None
+            },
+        )
+        self.step = 0
+        self.events: list[LiveEvent] = []
+        self.counters = LiveCounters()
+        self.disabled_reason: str | None = None
+        if self.policy is Policy.auto and self.table is None:
+            self.disabled_reason = self.failure.reason if self.failure else LiveReason.not_measured.value
+        if active is None:
+            estimate = self._predicted(batch_size, first_k)
+            active = estimate is not None and estimate >= 1.0 + cfg.margin
+        self._on = {Policy.force_on: True, Policy.force_off: False}.get(self.policy, bool(active))
+        if self.disabled_reason is not None:
+            self._on = False
+        self._probe: Literal["plain", "spec"] | None = None
+        self._probe_timed = self._probe_total = 0
+        self._timed = False  # has any timed sample arrived? (else: the cost model alone)
+        self._last_switch = 0
+        self._plain_wait = cfg.plain_probe_every
+        self._spec_wait = cfg.probe_after
+        self._next_plain_probe = cfg.first_probe_after
+        self._next_spec_probe = cfg.first_probe_after
+        self._shared: Decision | None = None
+        if self.disabled_reason is not None:
+            self._record(Action.suspend, self.disabled_reason, batch_size)
+        elif self.policy is Policy.auto and not self._on:
+            self._record(Action.suspend, LiveReason.prior_disabled, batch_size)
+
+    # -- reading -------------------------------------------------------------------
+    @property
+    def speculating(self) -> bool:
+        """Whether the next step drafts (a plain probe says False, a speculative one True)."""
+        if self._shared is not None:
+            return self._shared.speculating
+        return self._own_speculating
+
+    @property
+    def _own_speculating(self) -> bool:
+        if self.disabled_reason is not None or self.policy is Policy.force_off:
+            return False
+        if self.policy is Policy.force_on:
+            return True
+        if self._probe is not None:
+            return self._probe == "spec"
+        return self._on
+
+    @property
+    def k(self) -> int:
+        """The depth the next speculative cycle drafts (>= 1)."""
+        return self._shared.k if self._shared is not None else self.depth.k
+
+    @property
+    def decision(self) -> Decision:
+        return Decision(self.speculating, self.k)
+
+    @property
+    def disabled(self) -> bool:
+        return self.disabled_reason is not None
+
+    @property
+    def state(self) -> str:
+        if self.disabled_reason is not None:
+            return "disabled"
+        if self.policy is not Policy.auto:
+            return self.policy.value
+        if self._probe is not None:
+            return f"{self._probe}_probe"
+        return "on" if self._on else "suspended"
+
+    @property
+    def depth_events(self) -> list[DepthEvent]:
+        return self.depth.events
+
+    def cycle_cost(self, batch_size: int, k: int) -> float:
+        """The calibrated cost of one cycle at depth k, every forward counted (units of t_1)."""
+        if self.table is None:
+            raise PolicyError("live controller: no timings to price a cycle with")
+        timings, _ = self.table.at(batch_size, k)
+        replay = 0.0
+        if self.replay_on_reject:  # one rejecting row replays the whole batch
+            replay = 1.0 - self.acceptance.position(k) ** batch_size
+        return timings.cost(CycleForwards(replay=replay))
+
+    def estimate(self, batch_size: int, k: int | None = None) -> Estimate:
+        """Speedup of depth k over plain at batch_size: measured where both sides are."""
+        k = self.depth.chosen if k is None else k
+        min_n = self.config.min_samples
+        plain = self.plain.value if self.plain.n >= min_n else None
+        rate = self.depth.rates[k]
+        spec = rate.value if rate.n >= min_n else None
+        predicted = self._predicted(batch_size, k)
+        if spec is not None and plain is not None:
+            return Estimate(
+                speedup=spec / plain, source="measured", spec_rate=spec, plain_rate=plain, predicted=predicted
+            )
+        if spec is not None and self.table is not None:  # against the calibrated plain (1.0)
+            return Estimate(
+                speedup=spec, source="measured_spec", spec_rate=spec, plain_rate=plain, predicted=predicted
+            )
+        source = "model" if predicted is not None else "none"
+        return Estimate(
+            speedup=predicted, source=source, spec_rate=spec, plain_rate=plain, predicted=predicted
+        )
+
+    def summary(self) -> dict[str, object]:
+        """Plain data for the stats: counters, state, depth, the latest estimate."""
+        out: dict[str, object] = msgspec.structs.asdict(self.counters)
+        est = self.estimate(self._batch_size)
+        out.update(
+            policy=self.policy.value,
+            state=self.state,
+            speculating=self.speculating,
+            disabled_reason=self.disabled_reason,
+            ema_acceptance=self.ema,
+            per_position_acceptance=self.acceptance.summary(),
+            plain_rate=est.plain_rate,
+            measured_speedup=est.speedup if est.source.startswith("measured") else None,
+            predicted_speedup=est.predicted,
+            source=est.source,
+            depth_reason=self.depth_reason.value,
+            **self.depth.summary(),
+        )
+        out["k"] = self.k
+        return out
+
+    # -- writing -------------------------------------------------------------------
+    def set_timings(self, timings: TimingTable | Timings) -> None:
+        """Replace the prior (a recalibration, broadcast from rank 0)."""
+        self.table = TimingTable.of(timings) if isinstance(timings, Timings) else timings
+
+    def update(
+        self,
+        batch_size: int,
+        accepted: int = 0,
+        proposed: int = 0,
+        *,
+        seconds: float | None = None,
+        tokens: int | None = None,
+        accepted_per_position: Sequence[int] | None = None,
+        exclude: bool = False,
+    ) -> Action:
+        """Feed one decode step (a cycle or a plain step); return what to do before the next.
+
+        accepted / proposed: the batch's summed verify outcome (0 / 0 for a plain step).
+        seconds: the step's wall-clock time (None: the cost model decides alone).
+        tokens: tokens the step emitted over all rows (None: accepted + batch_size).
+        accepted_per_position: drafts accepted at positions 1..k, summed over rows.
+        exclude: the step overlapped a prefill; count it, do not use its timing.
+        """
+        self._check(batch_size, accepted, proposed, seconds, tokens, accepted_per_position)
+        before = self.speculating
+        k_before = self.k
+        self.step += 1
+        self._batch_size = batch_size
+        drafted, timed = self._observe(
+            batch_size, accepted, proposed, seconds, tokens, accepted_per_position, exclude, k_before
+        )
+        if not before:
+            self.counters.steps_suspended += 1
+        if self.disabled_reason is None and self.policy is Policy.auto:
+            self._decide(batch_size, drafted, timed)
+        elif self.policy is Policy.force_on and drafted:
+            self.depth.advance(self.step, timed=timed, model_cost=self._cost_fn(batch_size))
+        self._share(batch_size)
+        after = self.speculating
+        if after == before:
+            return Action.keep
+        return Action.resume if after else Action.suspend
+
+    # -- observing -----------------------------------------------------------------
+    @staticmethod
+    def _check(
+        batch_size: int,
+        accepted: int,
+        proposed: int,
+        seconds: float | None,
+        tokens: int | None,
+        per_position: Sequence[int] | None,
+    ) -> None:
+        if batch_size < 1 or not 0 <= accepted <= proposed:
+            raise PolicyError(f"live controller: bad step input B={batch_size}, {accepted}/{proposed}")
+        if seconds is not None and not (math.isfinite(seconds) and seconds >= 0.0):
+            raise PolicyError(f"live controller: seconds must be a finite time >= 0, got {seconds!r}")
+        if tokens is not None and tokens < 0:
+            raise PolicyError(f"live controller: tokens must be >= 0, got {tokens}")
+        if per_position is not None and (any(c < 0 for c in per_position) or sum(per_position) != accepted):
+            raise PolicyError("live controller: accepted_per_position must be counts summing to accepted")
+
+    def _weight(self, batch_size: int) -> float:
+        """Tokens -> plain-step equivalents: t_1(B) / B, so calibrated plain scores 1."""
+        if self.table is None:
+            return 1.0 / batch_size
+        return self.table.at(batch_size)[0].t_1 / batch_size
+
+    def _observe(
+        self,
+        batch_size: int,
+        accepted: int,
+        proposed: int,
+        seconds: float | None,
+        tokens: int | None,
+        per_position: Sequence[int] | None,
+        exclude: bool,
+        k_before: int,
+    ) -> tuple[bool, bool]:
+        """Record acceptance and timing; (whether the step drafted, whether its timing counted)."""
+        c = self.counters
+        c.steps += 1
+        drafted = proposed > 0
+        k_step = len(per_position) if per_position is not None else k_before
+        if drafted:
+            c.steps_speculative += 1
+            rows = max(1, proposed // max(1, k_step))
+            if per_position is not None:
+                self.acceptance.observe(per_position, rows)
+            else:
+                self.acceptance.observe_rate(accepted, proposed, k_step, rows)
+            self.ema += self.config.alpha * (accepted / proposed - self.ema)
+        else:
+            c.steps_plain += 1
+        if exclude:
+            c.steps_excluded += 1
+            return drafted, False
+        if seconds is None:
+            c.steps_untimed += 1
+            return drafted, False
+        if seconds <= 0.0:
+            return drafted, False
+        emitted = accepted + batch_size if tokens is None else tokens
+        weighted = emitted * self._weight(batch_size)
+        if not drafted:
+            self.plain.add(weighted, seconds)
+        elif k_step == k_before:  # a truncated cycle (fewer drafts than asked) is not a sample of k
+            self.depth.observe(k_step, weighted, seconds)
+        else:
+            return drafted, False
+        self._timed = True
+        return drafted, True
+
+    # -- deciding ------------------------------------------------------------------
+    def _decide(self, batch_size: int, drafted: bool, timed: bool) -> None:
+        if self._probe == "plain":
+            self._plain_probe_step(batch_size, timed and not drafted)
+        elif self._probe == "spec":
+            self._spec_probe_step(batch_size, drafted, timed and drafted)
+        elif self._on:
+            if drafted:
+                self.depth.advance(self.step, timed=timed, model_cost=self._cost_fn(batch_size))
+            self._while_on(batch_size)
+        else:
+            self._while_off(batch_size)
+
+    def _dwelt(self) -> bool:
+        return self.step - self._last_switch >= self.config.min_dwell
+
+    def _while_on(self, batch_size: int) -> None:
+        cfg = self.config
+        if self._timed and self.depth.exploring is None and self.step >= self._next_plain_probe:
+            self._start_probe("plain", batch_size)
+            return
+        if self.step % cfg.every or not self._dwelt():
+            return
+        est = self.estimate(batch_size)
+        if est.speedup is None or (self._timed and est.source != "measured"):
+            return  # with timings flowing, only a two-sided measurement may switch
+        self.counters.evaluations += 1
+        if est.speedup >= cfg.suspend_below:
+            return
+        if est.source == "measured":
+            reason = LiveReason.measured_slower
+        else:
+            k = self.depth.chosen
+            perfect = (k + 1) / self.cycle_cost(batch_size, k)
+            reason = LiveReason.compute_bound if perfect < cfg.resume_above else LiveReason.low_acceptance
+        self._switch(False)
+        self.counters.suspend_decisions += 1
+        self._next_spec_probe = self.step + self._spec_wait
+        self._record(Action.suspend, reason, batch_size, est)
+
+    def _while_off(self, batch_size: int) -> None:
+        cfg = self.config
+        if self.step >= self._next_spec_probe:
+            self._start_probe("spec", batch_size)
+            return
+        if self.step % cfg.every or not self._dwelt():
+            return
+        est = self.estimate(batch_size)
+        if est.speedup is None or (self._timed and est.source != "measured"):
+            return
+        self.counters.evaluations += 1
+        if est.speedup > cfg.resume_above:
+            self._switch(True)
+            self.counters.resume_decisions += 1
+            self._next_plain_probe = self.step + self._plain_wait
+            self._record(Action.resume, LiveReason.above_threshold, batch_size, est)
+
+    def _start_probe(self, kind: Literal["plain", "spec"], batch_size: int) -> None:
+        self._probe = kind
+        self._probe_timed = self._probe_total = 0
+        self.depth.abort()
+        if kind == "plain":
+            self.plain.reset()  # the window is its own evidence
+            self.counters.plain_probes += 1
+            self._record(Action.suspend, LiveReason.plain_probe, batch_size)
+        else:
+            self.depth.rates[self.depth.chosen].reset()  # the stale rate is what suspended us
+            self.acceptance.reset()
+            self.counters.probes += 1
+            self._record(Action.resume, LiveReason.probe, batch_size)
+
+    def _probe_over(self, progressed: bool) -> bool:
+        self._probe_total += 1
+        self._probe_timed += progressed
+        cfg = self.config
+        return self._probe_timed >= cfg.probe_steps or self._probe_total >= cfg.probe_max_steps
+
+    def _plain_probe_step(self, batch_size: int, timed_plain: bool) -> None:
+        if not self._probe_over(timed_plain):
+            return
+        self._probe = None
+        cfg = self.config
+        est = self.estimate(batch_size)
+        self.counters.evaluations += 1
+        if est.source != "measured":
+            self.counters.probes_inconclusive += 1
+            self._next_plain_probe = self.step + self._plain_wait
+            self._record(Action.resume, LiveReason.probe_inconclusive, batch_size, est)
+        elif est.speedup is not None and est.speedup < cfg.suspend_below:
+            self._switch(False)
+            self.counters.suspend_decisions += 1
+            self._next_spec_probe = self.step + self._spec_wait
+            self._record(Action.keep, LiveReason.measured_slower, batch_size, est)
+        else:  # in the band or above: speculation stays on; probe plain less often
+            self._plain_wait = min(cfg.probe_max_after, math.ceil(self._plain_wait * cfg.probe_backoff))
+            self._next_plain_probe = self.step + self._plain_wait
+            self._record(Action.resume, LiveReason.measured_faster, batch_size, est)
+
+    def _spec_probe_step(self, batch_size: int, drafted: bool, timed_spec: bool) -> None:
+        # untimed callers: the probe observes acceptance, so any drafting step counts
+        if not self._probe_over(timed_spec if self._timed else drafted):
+            return
+        self._probe = None
+        cfg = self.config
+        est = self.estimate(batch_size)
+        self.counters.evaluations += 1
+        usable = est.source in ("measured", "measured_spec") if self._timed else est.source == "model"
+        if not usable:
+            self.counters.probes_inconclusive += 1
+            self._next_spec_probe = self.step + self._spec_wait
+            self._record(Action.suspend, LiveReason.probe_inconclusive, batch_size, est)
+        elif est.speedup is not None and est.speedup > cfg.resume_above:
+            self._switch(True)
+            self._spec_wait = cfg.probe_after
+            self._next_plain_probe = self.step + self._plain_wait
+            self.counters.probes_passed += 1
+            self.counters.resume_decisions += 1
+            self._record(Action.keep, LiveReason.probe_passed, batch_size, est)
+        else:
+            self._spec_wait = min(cfg.probe_max_after, math.ceil(self._spec_wait * cfg.probe_backoff))
+            self._next_spec_probe = self.step + self._spec_wait
+            self.counters.probes_failed += 1
+            self._record(Action.suspend, LiveReason.probe_failed, batch_size, est)
+
+    def _switch(self, on: bool) -> None:
+        self._on = on
+        self._last_switch = self.step
+        if not on:
+            self.depth.abort()
+
+    def _share(self, batch_size: int) -> None:
+        """Adopt rank 0's decision (the `agree` hook); a no-op in a single process."""
+        if self.agree is None:
+            return
+        own = Decision(self._own_speculating, self.depth.k)
+        shared = self.agree(own)
+        was = self.speculating
+        self._shared = None if shared == own else shared
+        if self._shared is not None:
+            self.counters.shared_overrides += 1
+            if shared.speculating != was:
+                action = Action.resume if shared.speculating else Action.suspend
+                self._record(action, LiveReason.shared_decision, batch_size)
+
+    # -- the prior -----------------------------------------------------------------
+    def _cost_fn(self, batch_size: int) -> Callable[[int], float] | None:
+        if self.table is None:
+            return None
+        return lambda k: self.cycle_cost(batch_size, k)
+
+    def _predicted(self, batch_size: int, k: int) -> float | None:
+        if self.table is None:
+            return None
+        return self.acceptance.expected_tokens(k) / self.cycle_cost(batch_size, k)
+
+    def _prior_depth(self, batch_size: int, max_k: int) -> int:
+        """auto depth's first k: the cost model's best under the acceptance prior (1 without one)."""
+        cost = self._cost_fn(batch_size)
+        if cost is None:
+            return 1
+        return model_choice(self.acceptance, cost, max_k, self.config.depth.tie)
+
+    def _record(self, action: Action, reason: str, batch_size: int, est: Estimate | None = None) -> None:
+        est = est or Estimate(speedup=None, source="none")
+        self.events.append(
+            LiveEvent(
+                step=self.step,
+                action=action,
+                reason=str(reason),
+                batch_size=batch_size,
+                k=self.k,
+                speculating=self._own_speculating,
+                measured_speedup=est.speedup if est.source.startswith("measured") else None,
+                spec_rate=est.spec_rate,
+                plain_rate=est.plain_rate,
+                predicted_speedup=est.predicted,
+                source=est.source,
+            )
+        )
