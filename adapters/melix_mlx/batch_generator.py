@@ -10,11 +10,14 @@ Rules of this module:
   prompt) and appended with `extend`; leaving rows go with one `filter`. A row's
   speculative state (pending head pairs, draft count, sampler, counters, lifecycle
   machine) lives in its Batch row and travels through both reshapes untouched.
-- One step = at most one batched head catch-up forward, k - 1 chained head forwards, one
-  batched verify forward, and (only for models with recurrent layers, when a row rejected)
-  one ragged replay. Rows that do not speculate (refused, suspended, faulted) ride in the
-  same verify forward as plain decode: their draft slots are padding, rolled back.
-- Rollback is per row (melix_mlx.batch_cache): no row's rollback touches another row.
+- One step is one cycle of melix_mlx.engine (the same code the single-sequence decoder
+  runs): k - 1 chained head forwards, one batched verify with acceptance on the device,
+  one head catch-up that also drafts the next cycle, one host sync, per-row rollback
+  with no replay. Rows that do not speculate (refused, suspended, faulted) ride in the
+  same verify as plain decode (their draft slots are padding, rolled back); when no row
+  speculates the step is a plain [B, 1] forward.
+- Rollback is per row (melix_mlx.rollback, melix_mlx.capture): no row's rollback touches
+  another row.
 - Lifecycle: every admit/refuse, draft, verify, verified, plain step, suspend/resume,
   fault and finish is applied to the Batch; `last_report` (melix_fsm.report.StepReport)
   holds what each row went through in the latest `next()`: the event-reporting contract
@@ -53,22 +56,13 @@ from melix_fsm.lifecycle import Signal, State
 from melix_fsm.policy import Action, ActivationController
 from melix_fsm.report import RowReport, StepReport
 
-from . import rollback
-from .batch_cache import arrays_checkpoint, drop_row_suffixes, ragged_forward, rollback_rows
+from . import capture, rollback
 from .batch_rows import InsertRequest, MTPResponse, RowState
-from .hidden import forward_with_hidden
+from .engine import CycleEngine, RowHead, RowPlan, Settled, SpeculativeFault
 from .prefill import prefill_with_hidden
-from .sampling import (
-    accept_greedy,
-    accept_sampled,
-    normalize_logits,
-    params_of,
-    probabilities,
-    sample_from,
-)
+from .sampling import normalize_logits, params_of
 
 _CYCLE_READY = frozenset({State("admitted"), State("accepted"), State("rolled_back")})
-_HEAD_DEAD = frozenset({State("refused"), State("faulted"), State("finished")})
 
 
 class MTPBatchGenerator:
@@ -112,15 +106,13 @@ class MTPBatchGenerator:
             if bad:
                 self.refusal = f"cache kinds without exact rollback: {', '.join(bad)}"
         self.batch = Batch()
-        self.cache: list[Any] = []
-        self.head_cache: list[Any] = []
+        if head is not None:
+            capture.install(model)
+        self.engine = CycleEngine(model, head, [], [])  # row i of the engine is row i of the batch
         self._queue: deque[InsertRequest] = deque()
         self._uid_count = 0
         self._counters = BatchCounters()
-        self.target_forwards = 0  # batched verify / plain forwards
-        self.replay_forwards = 0  # batched ragged replays (recurrent layers only)
-        self.row_forwards = 0  # target and replay forwards counted once per row they served
-        self.head_forwards = 0
+        self.row_forwards = 0  # target forwards counted once per row they served
         self.controller = controller
         self.last_report = StepReport()
         self._events: dict[Any, list[Signal]] = {}
@@ -131,6 +123,26 @@ class MTPBatchGenerator:
         self._retired_counters: dict[Any, Any] = {}
 
     # -- mlx-lm surface --------------------------------------------------------------
+    @property
+    def cache(self) -> list[Any]:
+        return self.engine.cache
+
+    @property
+    def head_cache(self) -> list[Any]:
+        return self.engine.head_cache
+
+    @property
+    def target_forwards(self) -> int:
+        return self.engine.target_forwards
+
+    @property
+    def replay_forwards(self) -> int:
+        return self.engine.replay_forwards
+
+    @property
+    def head_forwards(self) -> int:
+        return self.engine.head_forwards
+
     @property
     def stream(self) -> Any:
         return self._stream
@@ -246,7 +258,8 @@ class MTPBatchGenerator:
             if len(self.batch):
                 tic = time.perf_counter()
                 generation = self._step()
-                self._apply_policy()
+                elapsed = time.perf_counter() - tic
+                self._apply_policy(elapsed, len(generation))
                 self._counters.decode_time += time.perf_counter() - tic
                 self._counters.generation_tokens += len(generation)
                 self._counters.generation_steps += 1
@@ -275,7 +288,7 @@ class MTPBatchGenerator:
         counters = self.batch.row(uid).counters if uid in self.batch else self._retired_counters.get(uid)
         return counters.copy() if counters is not None else None
 
-    def _apply_policy(self) -> None:
+    def _apply_policy(self, seconds: float, tokens: int) -> None:
         """Feed the controller this step's outcomes; turn its action into lifecycle events."""
         if self.controller is None or not len(self.batch):
             return
@@ -286,7 +299,7 @@ class MTPBatchGenerator:
                     proposed += signal.drafts
                 elif signal.event is lc.Event("verified"):
                     accepted += signal.accepted
-        action = self.controller.update(len(self.batch), accepted, proposed)
+        action = self.controller.update(len(self.batch), accepted, proposed, seconds=seconds, tokens=tokens)
         if action is Action.keep:
             return
         reason = self.controller.events[-1].reason if self.controller.events else action.value
@@ -313,11 +326,11 @@ class MTPBatchGenerator:
         if n <= 0:
             return []
         joining = Batch()
-        caches, head_caches, responses = [], [], []
+        caches, head_caches, heads, ys, responses = [], [], [], [], []
         tic = time.perf_counter()
         for _ in range(n):
             request = self._queue.popleft()
-            row, cache, head_cache = self._prefill(request)
+            row, cache, head_cache, head = self._prefill(request)
             joining.extend([request.uid], payloads=[row])
             resolution = (
                 lc.ADMIT if row.refusal is None else Signal(event=lc.REFUSE.event, reason=row.refusal)
@@ -327,12 +340,17 @@ class MTPBatchGenerator:
             self._joined.append(request.uid)
             caches.append(cache)
             head_caches.append(head_cache)
+            heads.append(head)
+            ys.append(row.y)
             self._counters.prompt_tokens += len(request.prompt)
             total = len(request.all_tokens) + len(request.prompt)
             responses.append(PromptProcessingBatch.Response(request.uid, (total, total), True, True))
         self._counters.prompt_time += time.perf_counter() - tic
-        self.cache = _extend_cache(self.cache, _merge_caches(caches))
-        self.head_cache = _extend_cache(self.head_cache, _merge_caches(head_caches))
+        engine = self.engine
+        engine.cache = _extend_cache(engine.cache, _merge_caches(caches))
+        if self.head is not None:
+            engine.head_cache = _extend_cache(engine.head_cache, _merge_caches(head_caches))
+        engine.extend(mx.array(ys, dtype=mx.uint32), heads)
         if self.controller is not None and not self.controller.speculating:
             # speculation is suspended batch-wide: joining rows start suspended too
             reason = self.controller.events[-1].reason if self.controller.events else "device_policy"
@@ -351,7 +369,8 @@ class MTPBatchGenerator:
             self._finish(finished, out)
         return responses
 
-    def _prefill(self, request: InsertRequest) -> tuple[RowState, list[Any], list[Any]]:
+    def _prefill(self, request: InsertRequest) -> tuple[RowState, list[Any], list[Any], RowHead]:
+        """Prefill one row alone; prime its head cache from the prompt's pairs."""
         cache = request.cache or make_prompt_cache(self.model, self.max_kv_size)
         prompt = mx.array(request.prompt)
         logits, hiddens = prefill_with_hidden(self.model, prompt, cache, self.prefill_step_size)
@@ -366,212 +385,96 @@ class MTPBatchGenerator:
             matcher=request.stop.matcher(),
             k=request.k,
         )
-        logprobs = self._process(state, logits, fed=[], upto=1)
-        state.y = int(state.sampler(logprobs[0:1]).item())
+        logprobs = self._process_first(state, logits)
+        state.y = int(state.sampler(logprobs).item())
         self._first_logprobs[request.uid] = logprobs[0]
         state.refusal = self.refusal or (
             None if state.params is not None else "unknown sampler: its distribution cannot be verified"
         )
         head_cache = self.head.make_cache() if self.head is not None else []
-        if state.refusal is None:
-            # Pairs (h_i, t_{i+1}); all but the last prime the head now, the last waits.
-            pair_tokens = request.prompt[1:] + [state.y]
-            if len(pair_tokens) > 1:
-                self.head(hiddens[None, :-1], mx.array([pair_tokens[:-1]]), head_cache)
-                mx.eval([c.state for c in head_cache])
-                self.head_forwards += 1
-            state.queue(hiddens[-1:], pair_tokens[-1:])
+        head = RowHead()
+        if self.head is not None:
+            # Every row's head follows its context (even a refused row's: batch shapes stay
+            # uniform); pairs (h_i, t_{i+1}) of the prompt prime it and draft the first cycle.
+            head = self.engine.prime(head_cache, hiddens, [*request.prompt[1:], state.y], state.params)
+            mx.eval([c.state for c in head_cache], head.draft)
         mx.eval([c.state for c in cache])
-        return state, cache, head_cache
+        return state, cache, head_cache, head
+
+    def _process_first(self, state: RowState, logits: mx.array) -> mx.array:
+        """Processed log-probs [1, V] of a prefill's last position."""
+        if state.processors:
+            history = mx.array(state.context)
+            for processor in state.processors:
+                logits = processor(history, logits)
+        return normalize_logits(logits)
 
     # -- one decode step -------------------------------------------------------------
-    def _process(self, state: RowState, logits: mx.array, fed: list[int], upto: int) -> mx.array:
-        """Processed log-probs [upto, V]: position j saw context + fed[: j + 1]."""
-        logits = logits[:upto]
-        if state.processors:
-            rows = []
-            for j in range(upto):
-                history = mx.array(state.context + fed[: j + 1])
-                row = logits[j : j + 1]
-                for processor in state.processors:
-                    row = processor(history, row)
-                rows.append(row)
-            logits = mx.concatenate(rows, axis=0)
-        return normalize_logits(logits)
+    def _plans(self, rows: tuple[Row, ...], states: list[RowState]) -> list[RowPlan]:
+        depth = getattr(self.controller, "k", None) if self.controller is not None else None
+        plans = []
+        for row, state in zip(rows, states):
+            k = 0
+            if row.state in _CYCLE_READY and state.refusal is None and self.head is not None:
+                remaining = state.max_tokens - state.num_generated
+                k = max(1, min(depth or state.k, state.k, remaining - 1))
+            sampler = None if state.sampler is greedy_sampler else state.sampler
+            history = state.context if state.processors else None
+            plans.append(RowPlan(k, state.params, sampler, state.processors, history))
+        return plans
 
     def _step(self) -> list[MTPResponse]:
         rows = self.batch.rows
         states: list[RowState] = [row.payload for row in rows]
-        spec = [i for i, row in enumerate(rows) if row.state in _CYCLE_READY and states[i].refusal is None]
-        k_rows = [0] * len(rows)
-        for i in spec:
-            remaining = states[i].max_tokens - states[i].num_generated
-            k_rows[i] = max(1, min(states[i].k, remaining - 1))
-        drafts: mx.array | None = None
-        qs: list[mx.array | None] = [None] * len(rows)
-        K = max(k_rows) if spec else 0
+        plans = self._plans(rows, states)
+        spec = [i for i, p in enumerate(plans) if p.k > 0]
         if spec:
             try:
-                drafts, qs = self._draft(rows, states, spec, k_rows, K)
-            except Exception as exc:  # the head failed: those rows continue plainly
-                self._fault_rows([rows[i].uid for i in spec], exc)
-                spec, K, k_rows, drafts = [], 0, [0] * len(rows), None
-            else:
-                draft_events = {rows[i].uid: lc.draft(k_rows[i]) for i in spec}
-                self.batch.step(draft_events)
-                for uid, signal in draft_events.items():
-                    self._record(uid, signal)
-        return self._verify(rows, states, spec, k_rows, K, drafts, qs)
+                settled = self.engine.settle(self.engine.launch(plans))
+            except SpeculativeFault as fault:  # the rows continue plainly; no token was emitted
+                self._fault_rows([rows[i].uid for i in spec], [plans[i].k for i in spec], fault)
+                return []
+        else:
+            tokens, logprobs = self.engine.plain(plans)
+            settled = Settled([0] * len(rows), [[t] for t in tokens.tolist()], logprobs[:, None], [[]] * len(rows))
+        self.row_forwards += len(rows)
+        return self._conclude(rows, states, plans, settled)
 
-    def _draft(
-        self, rows: tuple[Row, ...], states: list[RowState], spec: list[int], k_rows: list[int], K: int
-    ) -> tuple[mx.array, list[mx.array | None]]:
-        """Catch every live head row up, then draft K tokens per row: drafts [B, K], lazy.
-
-        Column j of row i is a real draft only for speculating rows with j < k_rows[i];
-        the rest is padding the verify rolls back. Drafts stay on the device until the
-        verify's single sync.
-        """
-        B = len(rows)
-        alive = [rows[i].state not in _HEAD_DEAD and states[i].pending_tokens for i in range(B)]
-        width = max(len(states[i].pending_tokens) for i in spec)
-        real = [min(len(states[i].pending_tokens), width) if alive[i] else 0 for i in range(B)]
-        dim = next(states[i].pending_hidden.shape[-1] for i in spec)
-        dtype = states[spec[0]].pending_hidden.dtype
-        hidden_rows, token_rows = [], []
-        for i in range(B):
-            if real[i]:
-                h, t = states[i].take(real[i])
-            else:
-                h, t = mx.zeros((0, dim), dtype), []
-            pad = width - real[i]
-            hidden_rows.append(mx.concatenate([h, mx.zeros((pad, dim), dtype)]) if pad else h)
-            token_rows.append(t + [0] * pad)
-        logits, head_hidden = self.head(mx.stack(hidden_rows), mx.array(token_rows), self.head_cache)
-        self.head_forwards += 1
-        drop_row_suffixes(self.head_cache, [width - r for r in real])
-        last = mx.array([max(r - 1, 0) for r in real])
-        step_logits = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
-        step_hidden = mx.take_along_axis(head_hidden, last[:, None, None], axis=1)
-        sampled = [i for i in spec if not states[i].params.greedy]
-        qs: list[list[mx.array]] = [[] for _ in range(B)]
-        columns: list[mx.array] = []
-        for j in range(K):
-            if j > 0:
-                logits, step_hidden = self.head(step_hidden, columns[-1][:, None], self.head_cache)
-                self.head_forwards += 1
-                step_logits = logits[:, 0]
-            column = mx.argmax(step_logits, axis=-1)
-            for i in sampled:
-                if j < k_rows[i]:
-                    q = probabilities(normalize_logits(step_logits[i : i + 1]), states[i].params)
-                    qs[i].append(q)
-                    column = mx.where(mx.arange(B) == i, sample_from(q).astype(column.dtype), column)
-            columns.append(column)
-        q_arrays = [mx.concatenate(q, axis=0) if q else None for q in qs]
-        return mx.stack(columns, axis=1), q_arrays
-
-    def _verify(
-        self,
-        rows: tuple[Row, ...],
-        states: list[RowState],
-        spec: list[int],
-        k_rows: list[int],
-        K: int,
-        drafts: mx.array | None,
-        qs: list[mx.array | None],
+    def _conclude(
+        self, rows: tuple[Row, ...], states: list[RowState], plans: list[RowPlan], settled: Settled
     ) -> list[MTPResponse]:
-        B = len(rows)
-        spec_set = set(spec)
-        inputs = mx.array([[s.y] for s in states], dtype=mx.uint32)
-        if drafts is not None:
-            inputs = mx.concatenate([inputs, drafts.astype(mx.uint32)], axis=1)
-        checkpoint = arrays_checkpoint(self.cache)
-        if spec:
-            self.batch.step({rows[i].uid: lc.VERIFY for i in spec})
-            for i in spec:
-                self._record(rows[i].uid, lc.VERIFY)
-        try:
-            logits, hidden = forward_with_hidden(self.model, inputs, self.cache)
-            self.target_forwards += 1
-            self.row_forwards += B
-            logprobs = normalize_logits(logits)  # rows with logits processors are redone below
-            targets = mx.argmax(logprobs, axis=-1)
-            mx.eval(targets, inputs)  # the step's one sync
-            fed, targets_list = inputs.tolist(), targets.tolist()
-            outcomes = []
-            for i in range(B):
-                n = k_rows[i] + 1 if i in spec_set else 1
-                row_drafts = fed[i][1:n]
-                row_logprobs, row_targets = logprobs[i], targets_list[i]
-                if states[i].processors:
-                    row_logprobs = self._process(states[i], logits[i], fed[i], n)
-                    row_targets = mx.argmax(row_logprobs, axis=-1).tolist()
-                outcomes.append(
-                    self._decide(states[i], row_drafts, qs[i], row_logprobs, row_targets, i in spec_set)
-                )
-        except Exception as exc:
-            rollback_rows(self.cache, checkpoint, K + 1, [0] * B)  # undo the whole forward
-            if not spec:
-                raise  # a plain forward failing is not a speculative fault
-            self._fault_rows([rows[i].uid for i in spec], exc)
-            return []
-        keep = [a + 1 for a, _, _ in outcomes]
-        if rollback_rows(self.cache, checkpoint, K + 1, keep):
-            kept_rows = [fed[i][: keep[i]] for i in range(B)]
-            _, hidden = ragged_forward(
-                lambda x, c: forward_with_hidden(self.model, x, c), kept_rows, self.cache
-            )
-            self.replay_forwards += 1
-            self.row_forwards += B
-        if K > 1:
-            rollback.trim_all(self.head_cache, K - 1)  # the chained, speculative head entries
-        step_events: dict[Any, Signal] = {}
-        for i in range(B):
-            a = outcomes[i][0]
-            uid = rows[i].uid
-            step_events[uid] = lc.verified(a) if i in spec_set else lc.PLAIN_STEP
-        self.batch.step(step_events)
+        """Lifecycle events for the step, then emission."""
+        drafted = {rows[i].uid: lc.draft(p.k) for i, p in enumerate(plans) if p.k > 0}
+        if drafted:
+            self._apply_signals(drafted)
+            self._apply_signals({uid: lc.VERIFY for uid in drafted})
+        self._apply_signals(
+            {
+                row.uid: lc.verified(settled.accepted[i]) if plans[i].k > 0 else lc.PLAIN_STEP
+                for i, row in enumerate(rows)
+            }
+        )
         out: list[MTPResponse] = []
         finished = []
-        for i in range(B):
-            uid, state = rows[i].uid, states[i]
-            a, bonus, row_logprobs = outcomes[i]
-            accepted = fed[i][1 : a + 1]
-            self._record(uid, step_events[uid])
-            state.context.extend(fed[i][: a + 1])
-            if rows[i].state not in _HEAD_DEAD:
-                state.queue(hidden[i, : a + 1], [*accepted, bonus])
-            emitted = [(d, row_logprobs[j], True) for j, d in enumerate(accepted)]
-            emitted.append((bonus, row_logprobs[a], False))
-            state.y = bonus
-            for token, lp, from_draft in emitted:
-                if self._emit(uid, state, token, lp, from_draft, out):
-                    finished.append(uid)
+        for i, row in enumerate(rows):
+            state = states[i]
+            tokens = settled.tokens[i]
+            a = settled.accepted[i]
+            state.context.extend([state.y, *tokens[:a]])
+            state.y = tokens[-1]
+            for j, token in enumerate(tokens):
+                if self._emit(row.uid, state, token, settled.logprobs[i, j], j < a, out):
+                    finished.append(row.uid)
                     break
         if finished:
             self._finish(finished, out)
         return out
 
-    def _decide(
-        self,
-        state: RowState,
-        drafts: list[int],
-        q: mx.array | None,
-        logprobs: mx.array,
-        targets: list[int],
-        speculating: bool,
-    ) -> tuple[int, int, mx.array]:
-        """(accepted count, token after the accepted prefix, processed log-probs)."""
-        if not speculating:
-            if state.sampler is greedy_sampler:
-                return 0, targets[0], logprobs
-            return 0, int(state.sampler(logprobs[0:1]).item()), logprobs
-        if state.params.greedy:
-            a = accept_greedy(drafts, targets)
-            return a, targets[a], logprobs
-        a, token = accept_sampled(drafts, q, probabilities(logprobs[: len(drafts) + 1], state.params))
-        return a, token, logprobs
+    def _apply_signals(self, signals: dict[Any, Signal]) -> None:
+        """The one funnel for a step's lifecycle events: the batch, then the report."""
+        self.batch.step(signals)
+        for uid, signal in signals.items():
+            self._record(uid, signal)
 
     # -- emission, faults, reshaping -------------------------------------------------
     def _emit(
@@ -585,15 +488,15 @@ class MTPBatchGenerator:
         self._emitted.setdefault(uid, []).append(token)
         return reason
 
-    def _fault_rows(self, uids: list[Any], exc: BaseException) -> None:
-        message = f"{type(exc).__name__}: {exc}"
+    def _fault_rows(self, uids: list[Any], ks: list[int], fault: SpeculativeFault) -> None:
+        message = str(fault)
+        if fault.drafted:  # the drafts existed: record them, then discard them with the fault
+            self._apply_signals({uid: lc.draft(k) for uid, k in zip(uids, ks)})
+            self._apply_signals({uid: lc.VERIFY for uid in uids})
         signal = Signal(event=lc.FAULT.event, reason=message)
-        self.batch.step({uid: signal for uid in uids})
+        self._apply_signals({uid: signal for uid in uids})
         for uid in uids:
-            state: RowState = self.batch.row(uid).payload
-            state.fault = message
-            state.pending_hidden, state.pending_tokens = None, []
-            self._record(uid, signal)
+            self.batch.row(uid).payload.fault = message
 
     def _finish(self, uids: list[Any], out: list[MTPResponse]) -> None:
         done = set(uids)
@@ -618,11 +521,13 @@ class MTPBatchGenerator:
         self._filter([i for i, uid in enumerate(self.batch.uids) if uid not in done])
 
     def _filter(self, keep: list[int]) -> None:
+        engine = self.engine
         if keep:
-            for c in self.cache:
+            for c in engine.cache:
                 c.filter(keep)
-            for c in self.head_cache:
+            for c in engine.head_cache:
                 c.filter(keep)
         else:
-            self.cache, self.head_cache = [], []
+            engine.cache, engine.head_cache = [], []
+        engine.filter(keep)
         self.batch.filter(keep)

@@ -1,16 +1,18 @@
 """The per-row records of the batched generator (melix_mlx.batch_generator).
 
 Rules of this module:
-- `RowState` is what a Batch row's payload slot holds: everything speculative about one
-  sequence that must survive `extend` / `filter` (pending head pairs, draft count,
-  sampler, stop matcher, token context). It is plain data; the generator owns the logic.
+- `RowState` is what a Batch row's payload slot holds: everything about one sequence's
+  decoding that must survive `extend` / `filter` on the host (draft count, sampler, stop
+  matcher, token context). Its device-side head state (next draft, pending pairs) is
+  the engine's row i (melix_mlx.engine.RowHead), filtered and extended with it.
+  It is plain data; the generator owns the logic.
 - `MTPResponse` has mlx-lm's `GenerationBatch.Response` fields plus `from_draft` and, on
   the finishing response, the row's speculative `stats`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -48,24 +50,6 @@ class RowState:
     num_generated: int = 0
     refusal: str | None = None
     fault: str | None = None
-    pending_hidden: mx.array | None = None  # [L, D] main hiddens not yet fed to the head
-    pending_tokens: list[int] = field(default_factory=list)
-
-    def queue(self, hidden: mx.array, tokens: list[int]) -> None:
-        if self.pending_hidden is None:
-            self.pending_hidden = hidden
-        else:
-            self.pending_hidden = mx.concatenate([self.pending_hidden, hidden], axis=0)
-        self.pending_tokens.extend(tokens)
-
-    def take(self, n: int) -> tuple[mx.array, list[int]]:
-        hidden, tokens = self.pending_hidden[:n], self.pending_tokens[:n]
-        if n >= len(self.pending_tokens):
-            self.pending_hidden, self.pending_tokens = None, []
-        else:
-            self.pending_hidden = self.pending_hidden[n:]
-            self.pending_tokens = self.pending_tokens[n:]
-        return hidden, tokens
 
 
 @dataclass

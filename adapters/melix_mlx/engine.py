@@ -113,6 +113,7 @@ class Settled:
     accepted: list[int]
     tokens: list[list[int]]  # per row: accepted drafts then the bonus token
     logprobs: mx.array  # [B, K + 1, V]
+    drafts: list[list[int]]  # per row: the k drafts it proposed (accepted or not)
 
 
 class CycleEngine:
@@ -340,7 +341,8 @@ class CycleEngine:
             row.hidden = flight.next_hidden[i : i + 1]
             row.pending_h, row.pending_t = [], []
         tokens = [fed[i][1 : a + 1] + [bonus[i]] for i, a in enumerate(accepted)]
-        return Settled(accepted, tokens, flight.logprobs)
+        drafts = [fed[i][1 : 1 + k] for i, k in enumerate(flight.ks)]
+        return Settled(accepted, tokens, flight.logprobs, drafts)
 
     def abandon(self, flight: Flight) -> None:
         """Undo a launched cycle that will never be settled (the consumer stopped)."""

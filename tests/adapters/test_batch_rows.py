@@ -170,7 +170,7 @@ class _ScriptedController:
         self.events = []
         self.speculating = True
 
-    def update(self, batch_size, accepted=0, proposed=0):
+    def update(self, batch_size, accepted=0, proposed=0, **timing):
         self.step += 1
         action = {2: Action.suspend, 5: Action.resume}.get(self.step, Action.keep)
         if action is not Action.keep:

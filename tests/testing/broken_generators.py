@@ -15,56 +15,64 @@ from __future__ import annotations
 from typing import Any
 
 import melix_mlx.batch_generator as bg
+import melix_mlx.engine as engine_mod
 import mlx.core as mx
 from melix_mlx.batch_generator import MTPBatchGenerator, MTPResponse
 
 from melix_fsm.lifecycle import SequenceMachine, State
 
 
+def _forget_heads(generator: MTPBatchGenerator) -> None:
+    """Lose every row's head state (next draft, head hidden, pending pairs)."""
+    for head in generator.engine.rows:
+        head.draft = head.q = head.hidden = None
+        head.pending_h, head.pending_t = [], []
+
+
 class DropsStateOnFilter(MTPBatchGenerator):
     """filter() rebuilds every surviving row's speculative state from scratch.
 
-    The naive "re-admit after a reshape" pattern: the pending head pairs are dropped and
-    each survivor gets a fresh lifecycle machine (admitted, zero counters).
+    The naive "re-admit after a reshape" pattern: the head state is dropped and each
+    survivor gets a fresh lifecycle machine (admitted, zero counters).
     """
 
     def _filter(self, keep: list[int]) -> None:
         super()._filter(keep)
+        _forget_heads(self)
         for row in self.batch:
             state: bg.RowState = row.payload
-            state.pending_hidden, state.pending_tokens = None, []
             fresh = State("admitted") if state.refusal is None else State("refused")
             row.machine = SequenceMachine(row.uid, fresh)
 
 
 class DropsHeadPairsOnFilter(MTPBatchGenerator):
-    """filter() drops the surviving rows' pending head pairs and nothing else.
+    """filter() drops the surviving rows' head state (next draft, pending pairs) and nothing else.
 
-    Tokens stay exact (verification guards them); the head then drafts from a hole, and
-    when the row is drafting alone the head forward raises on the missing pairs: the
-    generator swallows that as a fault.
+    Tokens stay exact (verification guards them); the next cycle then has no draft to
+    verify, its forward raises, and the generator swallows that as a fault.
     """
 
     def _filter(self, keep: list[int]) -> None:
         super()._filter(keep)
-        for row in self.batch:
-            row.payload.pending_hidden, row.payload.pending_tokens = None, []
+        _forget_heads(self)
 
 
 class RollsBackWrongRow(MTPBatchGenerator):
     """Per-row rollback uses the next row's kept length (an off-by-one in the row index)."""
 
-    def _verify(self, *args: Any) -> list[MTPResponse]:
-        original = bg.rollback_rows
+    def _step(self) -> list[MTPResponse]:
+        original = engine_mod.rollback.drop_row_suffixes
 
-        def shifted(cache: list[Any], checkpoint: Any, fed: int, keep: list[int]) -> bool:
-            return original(cache, checkpoint, fed, keep[1:] + keep[:1])
+        def shifted(cache: list[Any], drop: list[int], **kw: Any) -> None:
+            if kw.get("skip_recurrent"):  # the main cache's rollback
+                drop = drop[1:] + drop[:1]
+            return original(cache, drop, **kw)
 
-        bg.rollback_rows = shifted  # the module global _verify calls; restored below
+        engine_mod.rollback.drop_row_suffixes = shifted  # the module global settle calls; restored below
         try:
-            return super()._verify(*args)
+            return super()._step()
         finally:
-            bg.rollback_rows = original
+            engine_mod.rollback.drop_row_suffixes = original
 
 
 class EmitsDraftsBeforeVerify(MTPBatchGenerator):
@@ -74,24 +82,14 @@ class EmitsDraftsBeforeVerify(MTPBatchGenerator):
     cycle looks right; a rejected draft has already reached the caller.
     """
 
-    def _verify(
-        self,
-        rows: tuple[Any, ...],
-        states: list[Any],
-        spec: list[int],
-        k_rows: list[int],
-        K: int,
-        drafts: mx.array | None,
-        qs: list[Any],
-    ) -> list[MTPResponse]:
-        proposed = drafts.tolist() if drafts is not None else []  # [B, K]; row i's are its first k_rows[i]
-        streamed = {rows[i].uid: [int(d) for d in proposed[i][: k_rows[i]]] for i in spec}
+    def _conclude(self, rows: Any, states: Any, plans: Any, settled: Any) -> list[MTPResponse]:
+        streamed = {rows[i].uid: list(settled.drafts[i]) for i, p in enumerate(plans) if p.k > 0}
         early = [
             MTPResponse(uid, d, mx.zeros((1,)), None, None, None, True)
             for uid, sent in streamed.items()
             for d in sent
         ]
-        out = super()._verify(rows, states, spec, k_rows, K, drafts, qs)
+        out = super()._conclude(rows, states, plans, settled)
         late = [r for r in out if not (r.from_draft and r.uid in streamed)]  # already sent
         for uid, sent in streamed.items():
             self._emitted[uid] = list(sent) + [r.token for r in late if r.uid == uid]
@@ -113,6 +111,7 @@ class ReordersOnExtend(MTPBatchGenerator):
             perm = list(range(n - j, n)) + list(range(n - j))
             for c in self.cache + self.head_cache:
                 c.filter(perm)
+            self.engine.filter(perm)
             rows = list(self.batch.rows)
             self.batch._rows = [rows[i] for i in perm]
             self.batch._index = {row.uid: i for i, row in enumerate(self.batch._rows)}
