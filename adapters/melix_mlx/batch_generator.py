@@ -436,7 +436,8 @@ class MTPBatchGenerator:
                 return []
         else:
             tokens, logprobs = self.engine.plain(plans)
-            settled = Settled([0] * len(rows), [[t] for t in tokens.tolist()], logprobs[:, None], [[]] * len(rows))
+            B = len(rows)
+            settled = Settled([0] * B, [[t] for t in tokens.tolist()], logprobs[:, None], [[]] * B)
         self.row_forwards += len(rows)
         return self._conclude(rows, states, plans, settled)
 
