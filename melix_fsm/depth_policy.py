@@ -6,10 +6,11 @@ Rules of this module:
   depths). So no chosen k ever measures slower than a smaller measured k, and a
   difference inside the noise goes to the cheaper, smaller depth.
 - Depths are measured by exploring: every `every` speculative steps the chooser drafts at
-  a neighbour of the chosen depth (k-1 or k+1) for `explore_steps` timed steps, then
-  chooses again. Explorations that change nothing back off geometrically, so a settled
-  depth costs little; an upward step is skipped when even an optimistic acceptance at the
-  next position (no better than the current last one) cannot pay for its measured cost.
+  a neighbour of the chosen depth (k-1 or k+1) for `explore_steps` to `explore_max_steps`
+  timed steps (ending early once the two rates differ beyond the tolerance), then chooses
+  again. Explorations that change nothing back off geometrically, so a settled depth
+  costs little; an upward step is skipped when the measured acceptance says the extra
+  draft would add (almost) no tokens.
 - Without timed samples (callers that pass no seconds) the cost model picks the depth:
   E[tokens](k) / cycle_cost(k) from the measured per-position acceptance, ties to the
   smaller k.
@@ -39,9 +40,10 @@ class DepthConfig(msgspec.Struct, frozen=True, kw_only=True):
     every: int = 64  # ... and between later explorations
     backoff: float = 2.0  # an exploration that changed nothing multiplies the wait by this
     max_every: int = 1024  # ... up to this many steps
-    explore_steps: int = 8  # timed steps measured at the explored depth
-    explore_max_steps: int = 32  # an exploration ends after this many steps, timed or not
-    tie: float = 0.03  # relative throughput difference that is a tie (the smaller k wins)
+    explore_steps: int = 8  # timed steps measured at the explored depth, at least ...
+    explore_max_steps: int = 64  # ... and at most: it ends earlier once the rates differ beyond the tie
+    tie: float = 0.03  # relative throughput difference that is a tie (the smaller k wins) ...
+    z: float = 2.5  # ... or z standard errors of the noisiest rate compared, when larger
     min_samples: int = 4  # timed steps before a depth's throughput counts as measured
 
     def __post_init__(self) -> None:
@@ -134,10 +136,10 @@ class DepthChooser:
         return out
 
     def tolerance(self, rates: dict[int, float]) -> float:
-        """One tie tolerance for every depth compared: the configured floor or 2 x noise."""
+        """One tie tolerance for every depth compared: the configured floor or z x noise."""
         noise = max((self.rates[k].relative_noise for k in rates), default=0.0)
         noise = 0.0 if math.isinf(noise) else noise
-        return max(self.config.tie, 2.0 * noise)
+        return min(max(self.config.tie, self.config.z * noise), 0.99)
 
     def choose(self) -> int:
         """The smallest measured depth whose throughput ties the best one; else the current."""
@@ -169,13 +171,15 @@ class DepthChooser:
             self._explore_timed += timed
             if self._explore_timed < cfg.explore_steps and self._explore_total < cfg.explore_max_steps:
                 return None
+            if self._explore_total < cfg.explore_max_steps and not self._decided():
+                return None  # a window inside the noise says nothing yet: keep measuring
             return self._finish(step)
         if self._spec_steps < self._next:
             return None
         self._next = self._spec_steps + self._wait
         if not timed:
             return self._by_model(step, model_cost)
-        target = self._neighbour(model_cost)
+        target = self._neighbour()
         if target is None:
             return None
         self.exploring = target
@@ -185,9 +189,9 @@ class DepthChooser:
         self.explorations += 1
         return self._record(step, DepthReason.explore, self.chosen, self.chosen, explored=target)
 
-    def _neighbour(self, model_cost: Callable[[int], float] | None) -> int | None:
+    def _neighbour(self) -> int | None:
         down = self.chosen - 1 if self.chosen > 1 else None
-        up = self.chosen + 1 if self.chosen < self.max_k and self._up_can_pay(model_cost) else None
+        up = self.chosen + 1 if self.chosen < self.max_k and self._up_can_pay() else None
         if down is None or up is None:
             return down if up is None else up
         measured = self.measured_rates()
@@ -195,14 +199,41 @@ class DepthChooser:
             return up if down in measured else down  # an unmeasured neighbour first
         return up if self._last_direction < 0 else down  # otherwise alternate
 
-    def _up_can_pay(self, model_cost: Callable[[int], float] | None) -> bool:
-        """Could depth chosen+1 beat chosen even if its new draft were kept as often as the last?"""
+    def _up_can_pay(self) -> bool:
+        """Could depth chosen+1 emit more, even if its new draft were kept as often as the last?
+
+        Only measured acceptance prunes here, not the calibrated cost: the cost of the
+        deeper cycle is what the exploration measures (backoff bounds what that costs).
+        """
         k = self.chosen
         e_now = self.acceptance.expected_tokens(k)
         e_up = e_now + self.acceptance.position(k)  # P(k+1) <= P(k): chained drafts
-        if model_cost is None:
-            return e_up / e_now > 1.0 + self.config.tie
-        return e_up / e_now > (model_cost(k + 1) / model_cost(k)) * (1.0 + self.config.tie)
+        return e_up / e_now > 1.0 + self.config.tie
+
+    def _decided(self) -> bool:
+        """Does the explored depth differ from the chosen one beyond the tie tolerance?"""
+        rates = self.measured_rates()
+        if self.exploring not in rates or self.chosen not in rates:
+            return False
+        ratio = rates[self.exploring] / rates[self.chosen]
+        return abs(ratio - 1.0) > self.tolerance(rates)
+
+    def settle(self, step: int) -> DepthEvent | None:
+        """Re-choose from the current rates (the caller runs this after every step outside
+        windows): a chosen depth whose rate falls below a smaller depth's is dropped at
+        once, not at the next exploration. An exploration window decides when it ends."""
+        if not self.auto or self.exploring is not None:
+            return None
+        before = self.chosen
+        self.chosen = self.choose()
+        if self.chosen == before:
+            return None
+        self.changes += 1
+        self._wait = self.config.every
+        reason = DepthReason.measured_faster
+        return self._record(
+            step, reason, before, self.chosen, tolerance=self.tolerance(self.measured_rates())
+        )
 
     def _finish(self, step: int) -> DepthEvent:
         explored = self.exploring

@@ -68,6 +68,7 @@ class LiveReason(enum.StrEnum):
     not_measured = "not_measured"  # auto without a calibration: disabled
     measured_slower = "measured_slower"  # speculative tokens/s measured below plain
     measured_faster = "measured_faster"  # a plain probe measured slower than speculation
+    measured_tie = "measured_tie"  # no difference beyond the noise: the current state stays
     plain_probe = "plain_probe"  # a plain window starts, to measure plain tokens/s live
     probe = "probe"  # a speculative window starts while suspended
     probe_passed = "probe_passed"  # the speculative probe measured faster: stay on
@@ -82,8 +83,9 @@ class LiveReason(enum.StrEnum):
 class LiveConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Constants of the live controller (steps are `update` calls)."""
 
-    decay: float = 0.95  # per-sample forgetting of the throughput sums (~20-step window)
-    acceptance_decay: float = 0.98  # per-step forgetting of per-position acceptance
+    decay: float = 0.98  # per-sample forgetting of the throughput sums (~50-step window)
+    acceptance_decay: float = 0.95  # per-step forgetting of per-position acceptance
+    z: float = 2.5  # a verdict must clear its threshold by this many standard errors
     alpha: float = 0.1  # EMA of accepted / proposed (reported; the untimed fallback)
     min_samples: int = 4  # timed steps before a side's throughput counts as measured
     every: int = 4  # compare the two sides every N steps
@@ -93,8 +95,8 @@ class LiveConfig(msgspec.Struct, frozen=True, kw_only=True):
     first_probe_after: int = 16  # steps before the first probe of the unmeasured side
     plain_probe_every: int = 128  # steps between plain probes while speculating ...
     probe_after: int = 64  # ... and between speculative probes while suspended
-    probe_steps: int = 8  # timed steps in one probe window
-    probe_max_steps: int = 32  # a probe ends after this many steps (excluded ones count)
+    probe_steps: int = 8  # timed steps in one probe window, at least ...
+    probe_max_steps: int = 48  # ... a speculative probe runs on until its verdict is clear, up to this
     probe_backoff: float = 2.0  # each probe that confirms the current state doubles the wait
     probe_max_after: int = 1024  # ... up to this many steps
     margin: float = DEFAULT_MARGIN  # the prior admits at predicted speedup >= 1 + margin
@@ -168,6 +170,7 @@ class LiveCounters(msgspec.Struct, kw_only=True):
 class Estimate(msgspec.Struct, frozen=True, kw_only=True):
     speedup: float | None
     source: str
+    noise: float = 0.0  # relative standard error of the speedup (0: a model figure)
     spec_rate: float | None = None
     plain_rate: float | None = None
     predicted: float | None = None
@@ -330,13 +333,24 @@ class LiveController:
         rate = self.depth.rates[k]
         spec = rate.value if rate.n >= min_n else None
         predicted = self._predicted(batch_size, k)
+        noise = _combined(rate.relative_noise, self.plain.relative_noise if plain is not None else 0.0)
         if spec is not None and plain is not None:
             return Estimate(
-                speedup=spec / plain, source="measured", spec_rate=spec, plain_rate=plain, predicted=predicted
+                noise=noise,
+                speedup=spec / plain,
+                source="measured",
+                spec_rate=spec,
+                plain_rate=plain,
+                predicted=predicted,
             )
         if spec is not None and self.table is not None:  # against the calibrated plain (1.0)
             return Estimate(
-                speedup=spec, source="measured_spec", spec_rate=spec, plain_rate=plain, predicted=predicted
+                noise=noise,
+                speedup=spec,
+                source="measured_spec",
+                spec_rate=spec,
+                plain_rate=plain,
+                predicted=predicted,
             )
         source = "model" if predicted is not None else "none"
         return Estimate(
@@ -402,6 +416,8 @@ class LiveController:
             self._decide(batch_size, drafted, timed)
         elif self.policy is Policy.force_on and drafted:
             self.depth.advance(self.step, timed=timed, model_cost=self._cost_fn(batch_size))
+        if self._probe is None:
+            self.depth.settle(self.step)
         self._share(batch_size)
         after = self.speculating
         if after == before:
@@ -505,7 +521,7 @@ class LiveController:
         if est.speedup is None or (self._timed and est.source != "measured"):
             return  # with timings flowing, only a two-sided measurement may switch
         self.counters.evaluations += 1
-        if est.speedup >= cfg.suspend_below:
+        if not self._below(est, cfg.suspend_below):
             return
         if est.source == "measured":
             reason = LiveReason.measured_slower
@@ -529,7 +545,7 @@ class LiveController:
         if est.speedup is None or (self._timed and est.source != "measured"):
             return
         self.counters.evaluations += 1
-        if est.speedup > cfg.resume_above:
+        if self._above(est, cfg.resume_above):
             self._switch(True)
             self.counters.resume_decisions += 1
             self._next_plain_probe = self.step + self._plain_wait
@@ -549,14 +565,24 @@ class LiveController:
             self.counters.probes += 1
             self._record(Action.resume, LiveReason.probe, batch_size)
 
-    def _probe_over(self, progressed: bool) -> bool:
+    def _probe_progress(self, progressed: bool) -> tuple[bool, bool]:
+        """(the minimum window is done, the maximum one is) after this probe step."""
         self._probe_total += 1
         self._probe_timed += progressed
         cfg = self.config
-        return self._probe_timed >= cfg.probe_steps or self._probe_total >= cfg.probe_max_steps
+        at_max = self._probe_total >= cfg.probe_max_steps
+        return at_max or self._probe_timed >= cfg.probe_steps, at_max
+
+    def _below(self, est: Estimate, threshold: float) -> bool:
+        """Clearly below: even z standard errors up, the speedup stays under the threshold."""
+        return est.speedup is not None and est.speedup * (1.0 + self.config.z * est.noise) < threshold
+
+    def _above(self, est: Estimate, threshold: float) -> bool:
+        return est.speedup is not None and est.speedup * (1.0 - self.config.z * est.noise) > threshold
 
     def _plain_probe_step(self, batch_size: int, timed_plain: bool) -> None:
-        if not self._probe_over(timed_plain):
+        done, _ = self._probe_progress(timed_plain)
+        if not done:
             return
         self._probe = None
         cfg = self.config
@@ -566,30 +592,40 @@ class LiveController:
             self.counters.probes_inconclusive += 1
             self._next_plain_probe = self.step + self._plain_wait
             self._record(Action.resume, LiveReason.probe_inconclusive, batch_size, est)
-        elif est.speedup is not None and est.speedup < cfg.suspend_below:
+        elif self._below(est, cfg.suspend_below):
             self._switch(False)
             self.counters.suspend_decisions += 1
             self._next_spec_probe = self.step + self._spec_wait
             self._record(Action.keep, LiveReason.measured_slower, batch_size, est)
-        else:  # in the band or above: speculation stays on; probe plain less often
+        elif self._above(est, cfg.resume_above):  # clearly faster: probe plain less often
             self._plain_wait = min(cfg.probe_max_after, math.ceil(self._plain_wait * cfg.probe_backoff))
             self._next_plain_probe = self.step + self._plain_wait
             self._record(Action.resume, LiveReason.measured_faster, batch_size, est)
+        else:  # inside the noise: speculation stays on (hysteresis), same wait
+            self._next_plain_probe = self.step + self._plain_wait
+            self._record(Action.resume, LiveReason.measured_tie, batch_size, est)
 
     def _spec_probe_step(self, batch_size: int, drafted: bool, timed_spec: bool) -> None:
         # untimed callers: the probe observes acceptance, so any drafting step counts
-        if not self._probe_over(timed_spec if self._timed else drafted):
+        done, at_max = self._probe_progress(timed_spec if self._timed else drafted)
+        if not done:
             return
-        self._probe = None
         cfg = self.config
         est = self.estimate(batch_size)
-        self.counters.evaluations += 1
         usable = est.source in ("measured", "measured_spec") if self._timed else est.source == "model"
+        passed = usable and self._above(est, cfg.resume_above)
+        verdict = passed or (usable and self._below(est, cfg.resume_above))
+        if not at_max and not (verdict and self._probe_total % cfg.every == 0):
+            # neither clearly faster nor clearly not: measure on, up to probe_max_steps
+            # (looking every few steps, not every step: each look is a chance of a fluke)
+            return
+        self._probe = None
+        self.counters.evaluations += 1
         if not usable:
             self.counters.probes_inconclusive += 1
             self._next_spec_probe = self.step + self._spec_wait
             self._record(Action.suspend, LiveReason.probe_inconclusive, batch_size, est)
-        elif est.speedup is not None and est.speedup > cfg.resume_above:
+        elif passed:
             self._switch(True)
             self._spec_wait = cfg.probe_after
             self._next_plain_probe = self.step + self._plain_wait
@@ -657,3 +693,8 @@ class LiveController:
                 source=est.source,
             )
         )
+
+
+def _combined(*relative_errors: float) -> float:
+    """Relative standard error of a ratio of independent estimates (inf while unknown)."""
+    return math.sqrt(sum(e * e for e in relative_errors))

@@ -17,6 +17,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+PRIOR_CV = 0.25  # per-step spread assumed before the samples show theirs
+PRIOR_WEIGHT = 2.0
+
 
 class Rate:
     """Exponentially forgetting throughput of one kind of step (plain, or depth k)."""
@@ -62,8 +65,11 @@ class Rate:
         if self.n < 2 or self._mean <= 0:
             return math.inf
         n_eff = self._w * self._w / self._w2
-        var = self._m2 / self._w
-        return math.sqrt(max(var, 0.0) / n_eff) / self._mean
+        # Shrink towards a prior spread (PRIOR_CV over PRIOR_WEIGHT pseudo-samples): a few
+        # samples that happen to agree must not look like a precise measurement.
+        prior_var = (PRIOR_CV * self._mean) ** 2
+        var = (max(self._m2, 0.0) + PRIOR_WEIGHT * prior_var) / (self._w + PRIOR_WEIGHT)
+        return math.sqrt(var / n_eff) / self._mean
 
 
 class PositionAcceptance:

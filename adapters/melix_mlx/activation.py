@@ -3,28 +3,41 @@
 Rules of this module:
 - Runs after the weights are loaded and before any prompt is served (timings taken beside
   a prefill would poison the decision). Under `auto` it calibrates at the batch size
-  that will be served; `force_on` / `force_off` skip the measurement and are recorded as
-  operator overrides.
-- The decision goes into the receipt (melix_fsm.receipt.with_hardware) and, under
-  `auto`, into an `ActivationController` the decoders consult every step; a start the
-  gate disables begins suspended and the controller may resume it.
+  that will be served (at the deepest depth `num_draft_tokens = "auto"` may choose);
+  `force_on` / `force_off` skip the measurement and are recorded as operator overrides.
+- Every start gets a `LiveController` (melix_fsm.live_policy), and the decoders consult it
+  every step. The calibration is only its prior: the gate in the receipt is the first
+  decision, then the controller compares measured speculative and plain tokens/s live.
+- Fail closed, consistently: a calibration that fails (or never ran) under `auto` gives a
+  DISABLED controller, which never speculates, and the receipt says
+  `device_policy_disabled` with the failure's reason. A decoder must never read "no
+  controller" as "speculate": there is always one.
+- The cost model prices every forward a cycle runs: with recurrent caches an engine that
+  restores and replays after a rejection (`replay_on_reject`) pays one more forward on
+  every rejecting cycle.
+- Under mx.distributed (`group`), the calibration is rank 0's (calibrate.agree) and so is
+  every live decision: the controller's `agree` hook broadcasts rank 0's (speculating, k).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
 
-from melix_fsm.config import SpeculativeConfig
+from melix_fsm.config import AUTO_DEPTH, SpeculativeConfig
+from melix_fsm.live_policy import Decision, LiveConfig, LiveController
 from melix_fsm.policy import (
-    ActivationController,
+    CycleForwards,
     HardwareDecision,
     Policy,
     TimingTable,
     acceptance_prior,
     decide,
+    replay_rate,
 )
 from melix_fsm.receipt import Receipt, with_hardware
 from melix_fsm.telemetry import detect
@@ -36,7 +49,12 @@ from .calibrate import calibrate, device_kind, model_dtype
 class Activation:
     receipt: Receipt
     decision: HardwareDecision
-    controller: ActivationController | None
+    controller: LiveController  # always one: disabled, forced, or live
+
+    @property
+    def k(self) -> int:
+        """The depth the first cycle drafts (the controller's `k`; auto depth moves it)."""
+        return self.controller.k
 
 
 def evaluate(
@@ -47,24 +65,89 @@ def evaluate(
     *,
     batch_size: int = 1,
     budget_s: float = 30.0,
+    replay_on_reject: bool | None = None,
+    live: LiveConfig | None = None,
+    group: Any = None,
 ) -> Activation:
-    """Measure (under auto), decide, and return the updated receipt and controller."""
+    """Measure (under auto), decide, and return the updated receipt and the controller.
+
+    replay_on_reject: whether the decoder re-runs kept tokens after a rejection on
+    recurrent caches (None: whenever the model has recurrent layers; an engine that
+    captures the state inside the verify passes False). group: an mx.distributed group.
+    """
     policy = Policy(config.device_policy.value)
     prior = acceptance_prior(receipt.family)
     hardware = detect(device=device_kind(), dtype=model_dtype(model))
+    auto_depth = config.num_draft_tokens == AUTO_DEPTH
+    max_k = max(1, receipt.effective_depth) if auto_depth else int(config.num_draft_tokens)
+    if replay_on_reject is None:
+        replay_on_reject = _has_recurrent_layers(model)
     table: TimingTable | None = None
     measured: Any = None
     if policy is Policy.auto:
-        result = calibrate(
-            model, head, batch_sizes=(batch_size,), k=config.num_draft_tokens, budget_s=budget_s
-        )
+        result = calibrate(model, head, batch_sizes=(batch_size,), k=max_k, budget_s=budget_s, group=group)
         if isinstance(result, TimingTable):
             table = result
-            measured = result.at(batch_size)[0]
-        else:
-            measured = result  # the typed CalibrationError: decide fails closed on it
-    decision = decide(measured, policy, prior, hardware=hardware)
-    controller = None
+        measured = result  # a TimingTable, or the typed CalibrationError the controller disables on
+    controller = LiveController(
+        measured,
+        prior=prior,
+        policy=policy,
+        depth=AUTO_DEPTH if auto_depth else max_k,
+        max_depth=max_k,
+        batch_size=batch_size,
+        replay_on_reject=replay_on_reject,
+        config=live,
+        agree=rank0_decision(group),
+    )
+    gate_input: Any = measured
+    forwards = None
     if table is not None:
-        controller = ActivationController(table, prior=prior, policy=policy, active=decision.speculate)
-    return Activation(with_hardware(receipt, decision), decision, controller)
+        # the gate prices the depth the run starts with, replay included
+        k = controller.depth.chosen
+        gate_input = table.at(batch_size, k)[0]
+        replay = replay_rate(prior.acceptance, k, batch_size) if replay_on_reject else 0.0
+        forwards = CycleForwards(replay=replay)
+    decision = decide(gate_input, policy, prior, hardware=hardware, forwards=forwards)
+    if table is not None and controller.speculating != decision.speculate:
+        # one verdict: the controller starts where the receipt's gate says
+        controller = LiveController(
+            measured,
+            prior=prior,
+            policy=policy,
+            depth=AUTO_DEPTH if auto_depth else max_k,
+            max_depth=max_k,
+            batch_size=batch_size,
+            active=decision.speculate,
+            replay_on_reject=replay_on_reject,
+            config=live,
+            agree=rank0_decision(group),
+        )
+    receipt = with_hardware(receipt, decision, depth=controller.depth_decision)
+    return Activation(receipt, decision, controller)
+
+
+def _has_recurrent_layers(model: nn.Module) -> bool:
+    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+    from . import rollback
+
+    return any(isinstance(c, ArraysCache) for c in rollback.leaves(make_prompt_cache(model)))
+
+
+def rank0_decision(group: Any = None) -> Callable[[Decision], Decision] | None:
+    """The live controller's `agree` hook: every rank adopts rank 0's (speculating, k).
+
+    Called by the controller on every rank at every update, so the all_sum below always
+    has every rank in it; values off rank 0 are zeros. None in a single process.
+    """
+    if group is None or group.size() == 1:
+        return None
+    rank0 = group.rank() == 0
+
+    def agree(own: Decision) -> Decision:
+        values = [float(v) if rank0 else 0.0 for v in own.as_ints()]
+        summed = mx.distributed.all_sum(mx.array(values, dtype=mx.float32), group=group).tolist()
+        return Decision.from_ints(summed)
+
+    return agree

@@ -1,0 +1,353 @@
+"""The live controller decides on measured tokens/s: the prior only starts it.
+
+Every test feeds synthetic, seeded timings (tests/policy/world.py), so verdicts are exact.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from melix_fsm.batch import Batch
+from melix_fsm.lifecycle import ADMIT, PLAIN_STEP, VERIFY, draft, verified
+from melix_fsm.live_policy import Decision, LiveConfig, LiveController, LiveReason
+from melix_fsm.policy import Action, Timings
+from melix_fsm.policy_errors import CalibrationError, PolicyError
+
+from .conftest import BANDWIDTH_BOUND, COMPUTE_BOUND, PRIOR
+from .world import World, run
+
+CFG = LiveConfig()
+# The prior admits (predicted 2.07x) or disables (0.95x) whatever the world measures.
+ADMITTING, DISABLING = BANDWIDTH_BOUND, COMPUTE_BOUND
+SLOW = World(cycle_s=lambda k: 3.0)  # speculation measures ~0.8x of plain
+FAST = World(cycle_s=lambda k: 1.1 + 0.05 * k)  # ~1.6-2x
+# First verdict on a wrong prior: the first probe starts at first_probe_after, runs at
+# most probe_max_steps, and its end decides.
+FIRST_VERDICT = CFG.first_probe_after + CFG.probe_max_steps
+
+
+def spec_share(history) -> float:
+    return sum(drafted for _, drafted in history) / len(history)
+
+
+# ---- calibration failure: disabled for good, consistently ------------------------------
+
+
+@pytest.mark.parametrize("reason", ["measurement_failed", "measurement_timeout", "measurement_poisoned"])
+def test_calibration_failure_never_speculates(reason):
+    ctrl = LiveController(CalibrationError(reason, "two CPU hogs"), prior=PRIOR, depth=2)
+    assert ctrl.disabled and not ctrl.speculating and ctrl.state == "disabled"
+    (event,) = ctrl.events  # the reason a decoder gives the lifecycle's suspend
+    assert event.action is Action.suspend and event.reason == reason
+    history = run(World(cycle_s=lambda k: 0.5, seed=1), ctrl, 600)  # speculation would win 4x
+    assert not any(drafted for _, drafted in history)
+    assert all(action is Action.keep for action, _ in history)
+    summary = ctrl.summary()
+    assert summary["state"] == "disabled" and summary["disabled_reason"] == reason
+    assert summary["speculating"] is False and summary["steps_speculative"] == 0
+    assert summary["probes"] == summary["plain_probes"] == 0
+
+
+def test_auto_without_a_calibration_is_disabled_not_always_on():
+    ctrl = LiveController(None, prior=PRIOR)
+    assert ctrl.disabled_reason == LiveReason.not_measured and not ctrl.speculating
+    assert not any(drafted for _, drafted in run(World(), ctrl, 200))
+
+
+# ---- measured slower: suspended, bounded, even when the prior promised a win -------------
+
+
+def test_slower_than_plain_is_suspended_even_if_the_prior_predicted_a_win():
+    ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2)
+    assert ctrl.speculating and ctrl.estimate(1).speedup > 2.0  # the prior's promise
+    run(SLOW, ctrl, FIRST_VERDICT)
+    assert not ctrl.speculating and ctrl.state == "suspended"
+    assert ctrl.counters.suspend_decisions == 1
+    slower = [e for e in ctrl.events if e.reason == LiveReason.measured_slower]
+    assert slower and slower[0].source == "measured" and slower[0].measured_speedup < 0.9
+    history = run(SLOW, ctrl, 4000)
+    assert spec_share(history) < 0.05  # failed probes back off geometrically
+    assert ctrl.counters.probes_failed >= 3 and ctrl.counters.probes_passed == 0
+
+
+# Beyond the first verdict the bound is set by the noise: a verdict must clear its
+# threshold by z standard errors of a ~50-step window, and at B=1 with acceptance 0.5 a
+# cycle's token count alone varies by ~47%, so a 15% slowdown takes ~100 steps to prove.
+NOISY_VERDICT = 400
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    slowdown=st.floats(0.3, 0.85),
+    noise=st.floats(0.0, 0.08),
+    keep=st.floats(0.0, 0.95),
+    rows=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+)
+def test_any_slower_workload_is_suspended_within_a_bounded_number_of_steps(slowdown, noise, keep, rows, seed):
+    world = World(keep=keep, noise=noise, batch_size=rows, seed=seed)
+    expected = sum(keep**i for i in range(3))
+    world.cycle_s = lambda k: expected / slowdown  # measured speedup = slowdown at k = 2
+    ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2)
+    history = run(world, ctrl, NOISY_VERDICT)
+    assert ctrl.counters.suspend_decisions == 1 and ctrl.counters.probes_passed == 0
+    suspended_at = next(e.step for e in ctrl.events if e.reason == LiveReason.measured_slower)
+    assert suspended_at <= NOISY_VERDICT
+    if slowdown <= 0.7:  # a clear slowdown is caught by the first plain probe
+        assert suspended_at <= FIRST_VERDICT
+    assert spec_share(history[suspended_at:]) < 0.2  # only probes after it
+
+
+# ---- measured faster: stays on / gets on ----------------------------------------------------
+
+
+def test_faster_stays_on_with_only_sparse_plain_probes():
+    ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2)
+    history = run(FAST, ctrl, 3000)
+    assert ctrl.speculating and ctrl.counters.suspend_decisions == 0
+    assert spec_share(history) > 0.97  # plain probes back off: 8 steps at 16, 144, 400, ...
+    passed = [e for e in ctrl.events if e.reason == LiveReason.measured_faster]
+    assert passed and all(e.measured_speedup > 1.03 for e in passed)
+
+
+def test_faster_gets_on_even_if_the_prior_disabled_it():
+    ctrl = LiveController(DISABLING, prior=PRIOR, depth=1)
+    assert not ctrl.speculating and ctrl.events[0].reason == LiveReason.prior_disabled
+    run(FAST, ctrl, FIRST_VERDICT)
+    assert ctrl.speculating and ctrl.counters.probes_passed == 1
+    history = run(FAST, ctrl, 2000)
+    assert spec_share(history) > 0.97 and ctrl.counters.suspend_decisions == 0
+
+
+def test_a_phase_change_is_followed_both_ways():
+    ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2)
+    run(FAST, ctrl, 500)
+    assert ctrl.speculating
+    history = run(SLOW, ctrl, 500)  # caught by the next evaluation or plain probe
+    assert ctrl.counters.suspend_decisions == 1 and ctrl.state in ("suspended", "spec_probe")
+    assert spec_share(history[200:]) < 0.15  # the ~50-step window notices within ~150 steps
+    history = run(FAST, ctrl, 1500)  # found by the next speculative probe
+    assert ctrl.counters.probes_passed == 1 and ctrl.state in ("on", "plain_probe")
+    assert spec_share(history[-500:]) > 0.95
+
+
+# ---- hysteresis ------------------------------------------------------------------------------
+
+
+def _switches(ctrl: LiveController) -> int:
+    return ctrl.counters.suspend_decisions + ctrl.counters.resume_decisions
+
+
+def test_no_flapping_when_both_paths_measure_the_same_under_noise():
+    """Speculation measures exactly plain's speed (inside the band), each step's time
+    +-3% and its token count varying by ~47%: over 40 seeded runs of 2000 steps a
+    verdict is a fluke at most twice in a run, and in most runs never."""
+    switches = []
+    for seed in range(20):
+        for start_on in (True, False):
+            world = World(keep=0.5, noise=0.03, seed=seed)
+            world.cycle_s = lambda k: 1.75  # E = 1.75 tokens at k = 2: speedup 1.0
+            ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2, active=start_on)
+            run(world, ctrl, 2000)
+            switches.append(_switches(ctrl))
+    assert max(switches) <= 2 and sum(s > 0 for s in switches) <= 4
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    phases=st.lists(st.tuples(st.floats(0.2, 3.0), st.integers(1, 300)), min_size=1, max_size=6),
+    noise=st.floats(0.0, 0.3),
+    seed=st.integers(0, 2**16),
+)
+def test_policy_switches_are_bounded_by_the_dwell_for_any_workload(phases, noise, seed):
+    ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2)
+    world = World(noise=noise, seed=seed)
+    steps = 0
+    for cycle, length in phases:
+        world.cycle_s = lambda k, c=cycle: c
+        run(world, ctrl, length)
+        steps += length
+    assert _switches(ctrl) <= steps // CFG.min_dwell + 1
+
+
+# ---- overrides ---------------------------------------------------------------------------------
+
+
+def test_force_on_never_suspends():
+    ctrl = LiveController(ADMITTING, prior=PRIOR, policy="force_on", depth=2)
+    history = run(SLOW, ctrl, 1000)
+    assert all(drafted and action is Action.keep for action, drafted in history)
+    assert ctrl.events == [] and ctrl.summary()["state"] == "force_on"
+
+
+def test_force_on_needs_no_calibration_and_still_tunes_depth():
+    ctrl = LiveController(None, prior=PRIOR, policy="force_on", depth="auto", max_depth=3)
+    assert ctrl.speculating and ctrl.k == 1
+    world = World(keep=0.9, cycle_s=lambda k: 1.0 + 0.02 * k)  # deeper is much faster
+    run(world, ctrl, 1500)
+    assert ctrl.speculating and ctrl.depth.chosen == 3
+
+
+def test_force_off_never_speculates():
+    for timings in (ADMITTING, None, CalibrationError("measurement_failed", "x")):
+        ctrl = LiveController(timings, prior=PRIOR, policy="force_off", depth=2)
+        history = run(FAST, ctrl, 1000)
+        assert not any(drafted for _, drafted in history)
+        assert all(action is Action.keep for action, _ in history)
+
+
+# ---- the engine contract -----------------------------------------------------------------------
+
+
+STATES_WITHOUT_DRAFTS = {"suspended", "disabled", "plain_probe", "force_off"}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    timings=st.sampled_from(
+        [ADMITTING, DISABLING, None, CalibrationError("measurement_poisoned", "prefill beside")]
+    ),
+    policy=st.sampled_from(["auto", "force_on", "force_off"]),
+    depth=st.sampled_from([1, 2, "auto"]),
+    phases=st.lists(
+        st.tuples(st.floats(0.3, 3.0), st.floats(0.0, 1.0), st.integers(1, 200), st.booleans()),
+        min_size=1,
+        max_size=5,
+    ),
+    rows=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_suspended_or_disabled_windows_ask_for_no_drafts_and_rows_agree(
+    timings, policy, depth, phases, rows, seed
+):
+    """Receipt, stats and behaviour agree: the lifecycle rows are suspended exactly when
+    the controller says plain, and a suspended / disabled window drafts nothing."""
+    ctrl = LiveController(timings, prior=PRIOR, policy=policy, depth=depth, max_depth=3)
+    uids = list(range(rows))
+    batch = Batch(uids)
+    batch.resolve({uid: ADMIT for uid in uids})
+    if not ctrl.speculating:  # the start the gate disabled begins suspended
+        batch.suspend(reason=ctrl.events[-1].reason if ctrl.events else "force_off")
+    world = World(batch_size=rows, seed=seed)
+    for cycle, keep, length, timed in phases:
+        world.cycle_s, world.keep = (lambda k, c=cycle: c), keep
+        for _ in range(length):
+            state = ctrl.summary()["state"]
+            assert (state in STATES_WITHOUT_DRAFTS) == (not ctrl.speculating)
+            suspended = all(batch.row(uid).state.value == "suspended" for uid in uids)
+            assert suspended == (not ctrl.speculating)
+            assert 1 <= ctrl.k <= 3
+            if ctrl.speculating:
+                k = ctrl.k
+                action, drafted = world.step(ctrl, timed=timed)
+                batch.step({uid: [draft(k), VERIFY, verified(0)] for uid in uids})
+            else:
+                action, drafted = world.step(ctrl, timed=timed)
+                assert not drafted
+                batch.step({uid: PLAIN_STEP for uid in uids})
+            if action is Action.suspend:
+                batch.suspend(reason=ctrl.events[-1].reason)
+            elif action is Action.resume:
+                batch.resume(reason=ctrl.events[-1].reason)
+    failed = isinstance(timings, CalibrationError) or timings is None
+    if failed and policy != "force_on":
+        assert ctrl.counters.steps_speculative == 0
+
+
+def test_excluded_steps_are_counted_but_their_timing_is_not_used():
+    ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2)
+    run(FAST, ctrl, 10)
+    rate = ctrl.depth.rates[2].value
+    # a prefill competes: every step looks 30x slower than it is
+    poisoned = World(plain_s=30.0, cycle_s=lambda k: 30.0)
+    run(poisoned, ctrl, 300, exclude=True)
+    assert ctrl.counters.steps_excluded == 300 and ctrl.depth.rates[2].value == rate
+    assert ctrl.counters.suspend_decisions == 0 and ctrl.plain.n == 0
+    assert ctrl.counters.probes_inconclusive >= 1  # a plain probe with nothing usable in it
+    assert ctrl.state in ("on", "plain_probe")
+
+
+def test_without_seconds_the_cost_model_decides_as_before():
+    ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2)
+    for _ in range(100):
+        ctrl.update(1, 2, 2)  # old call site: acceptance only
+    assert ctrl.speculating and ctrl.counters.steps_untimed == 100
+    for _ in range(100):
+        ctrl.update(1, 0, 2) if ctrl.speculating else ctrl.update(1)
+    assert not ctrl.speculating
+    assert [e.reason for e in ctrl.events if e.action is Action.suspend][0] == LiveReason.low_acceptance
+    assert ctrl.counters.plain_probes == 0  # nothing to time: no plain probes
+
+
+def test_untimed_suspension_recovers_through_a_probe():
+    ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2)
+    for _ in range(60):
+        ctrl.update(1, 0, 2) if ctrl.speculating else ctrl.update(1)
+    assert not ctrl.speculating
+    for _ in range(300):
+        ctrl.update(1, 2, 2, accepted_per_position=[1, 1]) if ctrl.speculating else ctrl.update(1)
+    assert ctrl.speculating and ctrl.counters.probes_passed >= 1
+
+
+def test_rank0_decision_is_shared():
+    """Two ranks measure differently; the hook makes rank 1 adopt rank 0's decision."""
+    rank0 = LiveController(ADMITTING, prior=PRIOR, depth="auto", max_depth=3)
+    shared: list[Decision] = []
+
+    def agree(own: Decision) -> Decision:
+        assert isinstance(own.as_ints()[0], int)
+        return Decision.from_ints(shared[-1].as_ints())
+
+    rank1 = LiveController(ADMITTING, prior=PRIOR, depth="auto", max_depth=3, agree=agree)
+    w0, w1 = World(seed=1, cycle_s=lambda k: 3.0), World(seed=2, cycle_s=lambda k: 1.0)
+    for _ in range(600):
+        a0, _ = w0.step(rank0)
+        shared.append(rank0.decision)
+        a1, _ = w1.step(rank1)
+        assert rank1.decision == rank0.decision and a1 is a0
+    assert rank1.counters.shared_overrides > 0
+
+
+def test_bad_inputs_are_typed():
+    ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2)
+    for args, kw in [
+        ((0,), {}),
+        ((1, 3, 2), {}),
+        ((1,), {"seconds": -1.0}),
+        ((1,), {"seconds": float("nan")}),
+        ((1,), {"tokens": -1}),
+        ((1, 1, 2), {"accepted_per_position": [0, 0]}),
+    ]:
+        with pytest.raises(PolicyError):
+            ctrl.update(*args, **kw)
+    with pytest.raises(PolicyError):
+        LiveController(ADMITTING, depth=0)
+    with pytest.raises(PolicyError):
+        LiveConfig(suspend_below=1.1, resume_above=1.0)
+
+
+def test_summary_and_events_are_plain_data():
+    ctrl = LiveController(ADMITTING, prior=PRIOR, depth="auto", max_depth=3)
+    run(SLOW, ctrl, 200)
+    data = msgspec.json.decode(msgspec.json.encode(ctrl.summary()))
+    assert data["state"] == "suspended" and data["depth"] == "auto" and 1 <= data["k"] <= 3
+    msgspec.json.encode(ctrl.events)
+    msgspec.json.encode(ctrl.depth_events)
+
+
+def test_deterministic_given_inputs():
+    def trace() -> list:
+        ctrl = LiveController(ADMITTING, prior=PRIOR, depth="auto", max_depth=3)
+        run(World(noise=0.2, seed=7, cycle_s=lambda k: 1.2 + 0.4 * k), ctrl, 800)
+        return [msgspec.structs.asdict(e) for e in ctrl.events] + [ctrl.summary()]
+
+    assert trace() == trace()
+
+
+def test_calibration_k_mismatch_is_priced_off_the_curve():
+    # a prior calibrated at k=1 still prices other depths (auto depth reads its curve)
+    ctrl = LiveController(Timings(t_1=1.0, t_verify=1.0, t_head=0.05, k=1), prior=PRIOR, depth="auto")
+    assert ctrl.cycle_cost(1, 3) >= ctrl.cycle_cost(1, 1)
