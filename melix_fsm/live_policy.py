@@ -464,7 +464,10 @@ class LiveController:
         c = self.counters
         c.steps += 1
         drafted = proposed > 0
-        k_step = len(per_position) if per_position is not None else k_before
+        if per_position is not None:
+            k_step = len(per_position)
+        else:  # proposed = drafting rows x k; a shorter (truncated) cycle is no sample of k
+            k_step = k_before if proposed % k_before == 0 else max(1, proposed // batch_size)
         if drafted:
             c.steps_speculative += 1
             rows = max(1, proposed // max(1, k_step))

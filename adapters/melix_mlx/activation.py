@@ -12,9 +12,9 @@ Rules of this module:
   DISABLED controller, which never speculates, and the receipt says
   `device_policy_disabled` with the failure's reason. A decoder must never read "no
   controller" as "speculate": there is always one.
-- The cost model prices every forward a cycle runs: with recurrent caches an engine that
-  restores and replays after a rejection (`replay_on_reject`) pays one more forward on
-  every rejecting cycle.
+- The cost model prices every forward a cycle runs: recurrent layers the engine cannot
+  capture inside the verify are restored and replayed after a rejection
+  (`replays_on_reject`), one more forward on every rejecting cycle.
 - Under mx.distributed (`group`), the calibration is rank 0's (calibrate.agree) and so is
   every live decision: the controller's `agree` hook broadcasts rank 0's (speculating, k).
 """
@@ -72,8 +72,7 @@ def evaluate(
     """Measure (under auto), decide, and return the updated receipt and the controller.
 
     replay_on_reject: whether the decoder re-runs kept tokens after a rejection on
-    recurrent caches (None: whenever the model has recurrent layers; an engine that
-    captures the state inside the verify passes False). group: an mx.distributed group.
+    recurrent caches (None: `replays_on_reject(model)`). group: an mx.distributed group.
     """
     policy = Policy(config.device_policy.value)
     prior = acceptance_prior(receipt.family)
@@ -81,7 +80,7 @@ def evaluate(
     auto_depth = config.num_draft_tokens == AUTO_DEPTH
     max_k = max(1, receipt.effective_depth) if auto_depth else int(config.num_draft_tokens)
     if replay_on_reject is None:
-        replay_on_reject = _has_recurrent_layers(model)
+        replay_on_reject = replays_on_reject(model)
     table: TimingTable | None = None
     measured: Any = None
     if policy is Policy.auto:
@@ -127,12 +126,24 @@ def evaluate(
     return Activation(receipt, decision, controller)
 
 
-def _has_recurrent_layers(model: nn.Module) -> bool:
-    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+def replays_on_reject(model: nn.Module) -> bool:
+    """Does a rejecting cycle cost one more target forward (a replay) on this model?
 
-    from . import rollback
+    The cycle engine (melix_mlx.engine) captures recurrent state inside the verify where
+    every recurrent layer has a capturing twin (melix_mlx.capture); only the rest restore
+    and replay. The same test as the engine's, so the cost model prices what runs. It
+    installs the capturing layers the decoders install anyway (idempotent; parameters
+    and unarmed behaviour unchanged), so the answer does not depend on call order.
+    """
+    from mlx_lm.models.cache import make_prompt_cache
 
-    return any(isinstance(c, ArraysCache) for c in rollback.leaves(make_prompt_cache(model)))
+    from . import capture, rollback
+
+    cache = make_prompt_cache(model)
+    if not rollback.needs_replay(cache):
+        return False
+    capture.install(model)
+    return not capture.supported(model, cache)
 
 
 def rank0_decision(group: Any = None) -> Callable[[Decision], Decision] | None:

@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 from ..cli import EXIT_OK, EXIT_REFUSED, EXIT_USAGE
-from ..config import DevicePolicy, Method, speculative_config
+from ..config import DevicePolicy, Method, int_or_auto, speculative_config
 from ..errors import ConfigError
 from ..reasons import RefusalReason
 from ..receipt import Mode, Receipt, ServingContext, receipt_json, resolve, schema_json
@@ -34,7 +34,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("model_dir", nargs="?", metavar="MODEL_DIR", help="checkpoint directory")
     parser.add_argument("--method", choices=[m.value for m in Method], default=None)
-    parser.add_argument("--num-draft-tokens", type=int, default=None, metavar="K")
+    parser.add_argument("--num-draft-tokens", type=int_or_auto, default=None, metavar="K|auto")
     parser.add_argument("--draft-model", default=None, metavar="DIR", help="used with --method draft_model")
     parser.add_argument("--device-policy", choices=[p.value for p in DevicePolicy], default=None)
     parser.add_argument("--profile", default=None, metavar="FILE", help="TOML or JSON settings file")

@@ -106,6 +106,7 @@ PARITY = [
         ["--device-policy", "force_on", "--num-draft-tokens", "4"],
         {"device_policy": "force_on", "num_draft_tokens": 4},
     ),
+    (["--num-draft-tokens", "auto"], {"num_draft_tokens": "auto"}),
 ]
 
 
@@ -190,3 +191,23 @@ def test_direct_construction_is_checked_too() -> None:
     for kwargs in ({"num_draft_tokens": 0}, {"method": "draft_model"}, {"device_policy": "x"}):
         with pytest.raises(ConfigError):
             SpeculativeConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_auto_depth_is_a_config_value_from_every_front_end(tmp_path: Path) -> None:
+    cfg = speculative_config(num_draft_tokens="auto")
+    assert cfg.num_draft_tokens == "auto" and cfg.sources.num_draft_tokens is Source.explicit
+    profile = tmp_path / "p.toml"
+    profile.write_text('num_draft_tokens = "auto"\n')
+    assert speculative_config(profile=profile).num_draft_tokens == "auto"
+    for bad in ("Auto", "2", 2.0, "max"):
+        with pytest.raises(ConfigError, match="num_draft_tokens"):
+            speculative_config(num_draft_tokens=bad)
+
+
+def test_num_draft_tokens_flag_takes_auto_and_refuses_words(capsys: pytest.CaptureFixture[str]) -> None:
+    from melix_fsm.config import int_or_auto
+
+    assert int_or_auto("auto") == "auto" and int_or_auto("3") == 3
+    with pytest.raises(SystemExit) as exc:  # argparse's usage error
+        main(["receipt", "/nonexistent", "--num-draft-tokens", "many"])
+    assert exc.value.code == EXIT_USAGE and "--num-draft-tokens" in capsys.readouterr().err

@@ -162,6 +162,16 @@ def test_two_advertised_heads_with_one_present(fakes: Fakes) -> None:
     assert r.layer_weight_counts == [5, 0] and r.missing_weights == ["model.mtp_layers.1."]
 
 
+def test_auto_depth_resolves_to_a_bounded_range(fakes: Fakes) -> None:
+    from melix_fsm.depth_policy import AUTO_MAX_DEPTH
+
+    r = resolve(fakes.make("mimo"), speculative_config(num_draft_tokens="auto"))
+    assert r.mode is Mode.accepted and r.num_draft_tokens == "auto"
+    assert r.effective_depth == AUTO_MAX_DEPTH and "depth auto (1..4" in r.message
+    assert r.depth is None  # the starting depth is chosen once the model is measured
+    assert b'"num_draft_tokens": "auto"' in receipt_json(r)
+
+
 def test_depth_beyond_heads_is_admitted_for_chaining_families(fakes: Fakes) -> None:
     r = resolve(fakes.make("mimo"), speculative_config(num_draft_tokens=3))
     assert r.mode is Mode.accepted and r.effective_depth == 3 and r.head_count == 1

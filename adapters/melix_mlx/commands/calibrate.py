@@ -4,7 +4,8 @@ Rules of this module:
 - `register` is cheap; mlx, mlx-lm and the model load only inside `run`.
 - It measures a 1-token decode step, a (k+1)-token verify and one head draft at each
   requested batch size (median of --runs after --warmup), applies the cost model with the
-  family's prior acceptance, and prints the figures and the hardware decision: a table,
+  family's prior acceptance (pricing every forward a cycle runs: the replay forward of
+  recurrent layers too, where the decoder replays), and prints the figures and the hardware decision: a table,
   or with --json one object {model, family, dtype, hardware, prior, policy, timings,
   decisions, decision} where `decision` is the one for the first batch size.
 - Exit status (melix_fsm.cli): 0 measured (whatever the verdict: a disabled gate is a
@@ -73,10 +74,11 @@ def run(args: argparse.Namespace) -> int:
     import msgspec
 
     from melix_fsm.calibration import measure
-    from melix_fsm.policy import TimingTable, acceptance_prior, decide
+    from melix_fsm.policy import CycleForwards, TimingTable, acceptance_prior, decide, replay_rate
     from melix_fsm.policy_errors import CalibrationError
     from melix_fsm.telemetry import detect
 
+    from ..activation import replays_on_reject
     from ..calibrate import build_forwards, device_kind, model_dtype
     from ..errors import HeadLoadError
     from ..loading import load_with_heads
@@ -112,7 +114,20 @@ def run(args: argparse.Namespace) -> int:
             results.append(exc)
         except Exception as exc:  # building the forwards failed: a typed refusal, not a crash
             results.append(CalibrationError("measurement_failed", f"B={B}: {type(exc).__name__}: {exc}"))
-    decisions = [decide(r, args.device_policy, prior, args.margin, hardware=hardware) for r in results]
+    # every forward a cycle runs is priced: a restore-and-replay decoder re-runs the kept
+    # tokens of recurrent layers on every cycle that rejects a draft (batch-wide)
+    replays = replays_on_reject(model)
+    decisions = [
+        decide(
+            r,
+            args.device_policy,
+            prior,
+            args.margin,
+            hardware=hardware,
+            forwards=CycleForwards(replay=replay_rate(prior.acceptance, k, B) if replays else 0.0),
+        )
+        for B, r in zip(args.batch_size, results)
+    ]
     measured = [r for r in results if not isinstance(r, CalibrationError)]
     table = TimingTable.of(*measured) if measured else None
 
@@ -173,7 +188,7 @@ def _print_table(args, family, dtype, hardware, prior, k, results, decisions) ->
                     f"{r.t_verify * 1e3:.3f}",
                     f"{r.t_head * 1e3:.3f}",
                     f"{r.t_verify / r.t_1:.2f}",
-                    f"{r.cycle_cost:.2f}",
+                    f"{d.cycle_cost:.2f}" + (f" (+{d.replay_rate:.2f} replay)" if d.replay_rate else ""),
                     r.regime.value,
                     f"{d.predicted_speedup:.2f}x",
                     f"{d.hardware_gate.value} ({d.reason.value})",

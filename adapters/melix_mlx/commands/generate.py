@@ -58,7 +58,11 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--max-tokens", type=int, default=64, metavar="N")
     parser.add_argument("--method", choices=["mtp", "none"], default=None, help="default: mtp (best effort)")
-    parser.add_argument("--num-draft-tokens", type=int, default=None, metavar="K")
+    from melix_fsm.config import int_or_auto  # cheap: no mlx
+
+    parser.add_argument(
+        "--num-draft-tokens", type=int_or_auto, default=None, metavar="K|auto", help="auto: chosen live"
+    )
     parser.add_argument(
         "--device-policy",
         choices=["auto", "force_on", "force_off"],
