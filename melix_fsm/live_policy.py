@@ -211,6 +211,7 @@ class LiveController:
         if isinstance(timings, Timings):
             timings = TimingTable.of(timings)
         self.table: TimingTable | None = timings if isinstance(timings, TimingTable) else None
+        self._priced: dict[tuple[int, int], Timings] = {}  # table.at(B, k), cached: a per-step cost
         if timings is not None and not isinstance(timings, (TimingTable, CalibrationError)):
             raise PolicyError(f"live controller: unexpected timings {type(timings).__name__}")
         auto_depth = depth == "auto"
@@ -319,7 +320,7 @@ class LiveController:
         """The calibrated cost of one cycle at depth k, every forward counted (units of t_1)."""
         if self.table is None:
             raise PolicyError("live controller: no timings to price a cycle with")
-        timings, _ = self.table.at(batch_size, k)
+        timings = self._timings_at(batch_size, k)
         replay = 0.0
         if self.replay_on_reject:  # one rejecting row replays the whole batch
             replay = 1.0 - self.acceptance.position(k) ** batch_size
@@ -382,6 +383,7 @@ class LiveController:
     def set_timings(self, timings: TimingTable | Timings) -> None:
         """Replace the prior (a recalibration, broadcast from rank 0)."""
         self.table = TimingTable.of(timings) if isinstance(timings, Timings) else timings
+        self._priced.clear()
 
     def update(
         self,
@@ -447,7 +449,15 @@ class LiveController:
         """Tokens -> plain-step equivalents: t_1(B) / B, so calibrated plain scores 1."""
         if self.table is None:
             return 1.0 / batch_size
-        return self.table.at(batch_size)[0].t_1 / batch_size
+        return self._timings_at(batch_size, self.table.k).t_1 / batch_size
+
+    def _timings_at(self, batch_size: int, k: int) -> Timings:
+        key = (batch_size, k)
+        timings = self._priced.get(key)
+        if timings is None:
+            assert self.table is not None
+            timings = self._priced[key] = self.table.at(batch_size, k)[0]
+        return timings
 
     def _observe(
         self,
