@@ -56,7 +56,7 @@ from melix_fsm.lifecycle import Signal, State
 from melix_fsm.policy import Action, ActivationController
 from melix_fsm.report import RowReport, StepReport
 
-from . import capture, rollback
+from . import capture, ragged_kv, rollback
 from .batch_rows import InsertRequest, MTPResponse, RowState
 from .engine import CycleEngine, RowHead, RowPlan, Settled, SpeculativeFault
 from .prefill import prefill_with_hidden
@@ -347,9 +347,9 @@ class MTPBatchGenerator:
             responses.append(PromptProcessingBatch.Response(request.uid, (total, total), True, True))
         self._counters.prompt_time += time.perf_counter() - tic
         engine = self.engine
-        engine.cache = _extend_cache(engine.cache, _merge_caches(caches))
+        engine.cache = _extend_cache(engine.cache, ragged_kv.adopt(_merge_caches(caches)))
         if self.head is not None:
-            engine.head_cache = _extend_cache(engine.head_cache, _merge_caches(head_caches))
+            engine.head_cache = _extend_cache(engine.head_cache, ragged_kv.adopt(_merge_caches(head_caches)))
         engine.extend(mx.array(ys, dtype=mx.uint32), heads)
         if self.controller is not None and not self.controller.speculating:
             # speculation is suspended batch-wide: joining rows start suspended too

@@ -32,6 +32,7 @@ Rules of this module:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +117,29 @@ class Settled:
     drafts: list[list[int]]  # per row: the k drafts it proposed (accepted or not)
 
 
+@dataclass
+class CycleClock:
+    """Where a speculative cycle's wall time goes (host seconds, summed over cycles).
+
+    build: constructing the lazy graph; dispatch: `mx.async_eval` (on a CPU it returns
+    only once most of the device work has run); sync: the one `mx.eval` wait; rollback:
+    reading results and trimming caches; outside: the caller's bookkeeping between a
+    settle and the next launch (emission, lifecycle, policy).
+    """
+
+    cycles: int = 0
+    build: float = 0.0
+    dispatch: float = 0.0
+    sync: float = 0.0
+    rollback: float = 0.0
+    outside: float = 0.0
+    _last_settle: float | None = None
+
+    def per_cycle(self) -> dict[str, float]:
+        n = max(self.cycles, 1)
+        return {k: getattr(self, k) / n for k in ("build", "dispatch", "sync", "rollback", "outside")}
+
+
 class CycleEngine:
     """Draft/verify/accept/rollback over B rows; see the module rules."""
 
@@ -131,6 +155,7 @@ class CycleEngine:
         self.replay_forwards = 0
         self.head_forwards = 0
         self._drafted = False
+        self.clock: CycleClock | None = None  # set to a CycleClock to break cycles down (bench)
 
     # -- rows ----------------------------------------------------------------------
     def __len__(self) -> int:
@@ -210,13 +235,21 @@ class CycleEngine:
         cp = rollback.checkpoint(self.cache)
         head_cp = rollback.checkpoint(self.head_cache)
         self._drafted = False
+        t0 = time.perf_counter()
         try:
             flight = self._build(plans, ks, K, B, cp, head_cp)
+            t1 = time.perf_counter()
             mx.async_eval(flight.accepted, flight.bonus, flight.inputs, flight.next_draft)
         except Exception as exc:
             rollback.restore(self.cache, cp)
             rollback.restore(self.head_cache, head_cp)
             raise SpeculativeFault(exc, drafted=self._drafted) from exc
+        if self.clock is not None:
+            clock = self.clock
+            clock.build += t1 - t0
+            clock.dispatch += time.perf_counter() - t1
+            if clock._last_settle is not None:
+                clock.outside += t0 - clock._last_settle
         return flight
 
     def _build(self, plans, ks, K, B, cp, head_cp) -> Flight:
@@ -233,7 +266,6 @@ class CycleEngine:
             columns.append(tokens.astype(mx.uint32))
             qcols.append(qs)
         drafts = mx.stack(columns, axis=1)  # [B, K]
-        mx.async_eval(drafts)  # a head that fails on the device fails here, as a head fault
         self._drafted = True
         inputs = mx.concatenate([self.y[:, None], drafts], axis=1)
         # 2. verify, recording recurrent states per position where the layers can
@@ -319,11 +351,13 @@ class CycleEngine:
 
     def settle(self, flight: Flight) -> Settled:
         """The cycle's one sync; trims the caches to each row's accepted prefix."""
+        t0 = time.perf_counter()
         try:
             mx.eval(flight.accepted, flight.bonus, flight.inputs, flight.next_draft)
         except Exception as exc:
             self._undo(flight)
             raise SpeculativeFault(exc, drafted=True) from exc
+        t1 = time.perf_counter()
         accepted = flight.accepted.tolist()
         fed = flight.inputs.tolist()
         bonus = flight.bonus.tolist()
@@ -342,6 +376,12 @@ class CycleEngine:
             row.pending_h, row.pending_t = [], []
         tokens = [fed[i][1 : a + 1] + [bonus[i]] for i, a in enumerate(accepted)]
         drafts = [fed[i][1 : 1 + k] for i, k in enumerate(flight.ks)]
+        if self.clock is not None:
+            clock = self.clock
+            clock._last_settle = time.perf_counter()
+            clock.cycles += 1
+            clock.sync += t1 - t0
+            clock.rollback += clock._last_settle - t1
         return Settled(accepted, tokens, flight.logprobs, drafts)
 
     def abandon(self, flight: Flight) -> None:

@@ -3,12 +3,12 @@
 Rules of this module:
 - Every row of a batched cache is one sequence; rolling one row back never touches
   another row's entries. A single-sequence cache is the one-row case.
-- KV-like leaves are trimmed. `BatchKVCache.trim(n)` is uniform across rows, so
-  `drop_row_suffixes` trims the rows' common rejected suffix, then marks each row's
-  remaining rejected entries as right padding and lets `finalize()` move them to the
-  front as masked left padding (mlx-lm's own mechanism for right-padded prompts);
-  `filter` later reclaims padding common to all rows. KV caches write in place, so they
-  are never snapshotted by reference.
+- KV-like leaves are trimmed. A batch cache's `trim(n)` is uniform across rows, so
+  `drop_row_suffixes` trims the rows' common rejected suffix and leaves each row's
+  remaining rejected entries to the cache: melix_mlx.ragged_kv masks them as holes
+  without moving data; a plain `BatchKVCache` (a caller's own) gets them as right
+  padding rolled to the front by `finalize()`, mlx-lm's own mechanism. KV caches write
+  in place, so they are never snapshotted by reference.
 - Recurrent (ArraysCache) leaves are not trimmable. The verify captures their state at
   every position and rollback selects it (melix_mlx.capture). Where a layer cannot be
   captured, a `Checkpoint` (a copy of each leaf's array list: the layer replaces its
@@ -136,6 +136,9 @@ def drop_row_suffixes(cache: list[Any], drop: list[int], *, skip_recurrent: bool
             if skip_recurrent:
                 continue
             raise TypeError("recurrent layers cannot drop entries; select captured states instead")
+        if hasattr(c, "drop_rows"):  # melix_mlx.ragged_kv: holes, no data moved
+            c.drop_rows(drop)
+            continue
         if common:
             c.trim(common)
         if any(extra):

@@ -9,7 +9,8 @@ Rules:
   fed as keys and values, shape ``[B, 1, L, 1]`` float32 (exact for ids < 2**24). So the
   head sees exactly what the decoder fed it, primed, caught up and rolled back: at each
   call it rebuilds every row's token context from the cache (``BatchKVCache`` rows
-  start at their ``left_padding``) and looks the next-next token up in its table. A
+  start at their ``left_padding``; rolled-back holes are skipped) and looks the
+  next-next token up in its table. A
   decoder that forgets to prime or catch up, or rolls the head cache back wrongly, sees
   its acceptance collapse.
 - Slot convention (DESIGN.md): pair i feeds token t_{i+1} and predicts t_{i+2}; the
@@ -75,9 +76,14 @@ class ScriptedHead:
         keys, _ = c.update_and_fetch(ids, ids)
         rows = keys[:, 0, :, 0].astype(mx.int32).tolist()
         starts = c.left_padding.tolist() if isinstance(c, BatchKVCache) else [0] * B
+        holes = getattr(c, "holes", None)  # rows rolled back without moving data
+        holes = holes.tolist() if holes is not None else None
         targets = []
         for b in range(B):
-            context = rows[b][starts[b] :]
+            dropped = holes[b] if holes else []
+            context = [
+                t for p, t in enumerate(rows[b]) if p >= starts[b] and not (p < len(dropped) and dropped[p])
+            ]
             before = len(context) - L
             targets.append([self.predict(context[: before + i + 1]) for i in range(L)])
         onehot = mx.array(targets)[..., None] == mx.arange(self.vocab_size)

@@ -1,0 +1,106 @@
+"""Recurrent state captured inside the verify (melix_mlx.capture), against mlx-lm itself.
+
+- The capturing layer's outputs and final caches equal mlx-lm's own layer bit for bit
+  (max |diff| = 0) for blocks of 1..4 tokens, single and batched.
+- The state it selects after n of the block's positions equals the state of a cache fed
+  only those n tokens, bit for bit, per row (rows select different lengths).
+- Installing changes no parameter and is idempotent; an unarmed cache never records.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from melix_mlx import capture
+from melix_mlx.hidden import forward_with_hidden
+from melix_mlx.loading import load_with_heads
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+PROMPT = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 23, 24, 25, 26]]
+
+
+def _recurrent(cache):
+    return [c for c in cache if isinstance(c, ArraysCache)]
+
+
+def _max_diff(a, b) -> float:
+    worst = 0.0
+    for x, y in zip(_recurrent(a), _recurrent(b)):
+        for u, v in zip(x.cache, y.cache, strict=True):
+            worst = max(worst, mx.abs(u - v).max().item())
+    return worst
+
+
+@pytest.fixture(scope="module")
+def qwen(tiny_checkpoint):
+    model = load_with_heads(tiny_checkpoint("qwen3_5"))[0]
+    reference = load_with_heads(tiny_checkpoint("qwen3_5"))[0]  # never installed: mlx-lm's own layers
+    capture.install(model)
+    return model, reference
+
+
+def _primed(model, rows: int):
+    cache = make_prompt_cache(model)
+    forward_with_hidden(model, mx.array(PROMPT[:rows]), cache)
+    return cache
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_armed_forward_equals_mlx_lm(qwen, length: int, rows: int) -> None:
+    model, reference = qwen
+    block = mx.array([[3, 4, 5, 6][:length]] * rows)
+    ref_cache, cap_cache = _primed(reference, rows), _primed(model, rows)
+    want_logits, want_hidden = forward_with_hidden(reference, block, ref_cache)
+    armed = capture.arm(cap_cache)
+    got_logits, got_hidden = forward_with_hidden(model, block, cap_cache)
+    steps = capture.collect(armed)
+    assert mx.abs(want_logits - got_logits).max().item() == 0.0
+    assert mx.abs(want_hidden - got_hidden).max().item() == 0.0
+    assert _max_diff(ref_cache, cap_cache) == 0.0
+    assert all(len(s) == length for s in steps)
+
+
+def test_selected_state_equals_a_cache_fed_only_the_kept_tokens(qwen) -> None:
+    model, reference = qwen
+    block = [[3, 4, 5, 6], [7, 8, 9, 10]]
+    cache = _primed(model, 2)
+    armed = capture.arm(cache)
+    forward_with_hidden(model, mx.array(block), cache)
+    steps = capture.collect(armed)
+    keep = [3, 1]  # rows keep different prefixes
+    capture.select(armed, steps, mx.array(keep))
+    for row, n in enumerate(keep):
+        clean = make_prompt_cache(reference)
+        forward_with_hidden(reference, mx.array(PROMPT[row : row + 1]), clean)
+        forward_with_hidden(reference, mx.array([block[row][:n]]), clean)
+        for got, want in zip(_recurrent(cache), _recurrent(clean)):
+            for u, v in zip(got.cache, want.cache, strict=True):
+                assert mx.abs(u[row : row + 1] - v).max().item() == 0.0
+
+
+def test_a_wrong_selection_is_visible(qwen) -> None:
+    """The comparison is sharp: selecting one position too many differs."""
+    model, reference = qwen
+    cache = _primed(model, 1)
+    armed = capture.arm(cache)
+    forward_with_hidden(model, mx.array([[3, 4, 5]]), cache)
+    steps = capture.collect(armed)
+    capture.select(armed, steps, mx.array([2]))
+    clean = make_prompt_cache(reference)
+    forward_with_hidden(reference, mx.array(PROMPT[:1]), clean)
+    forward_with_hidden(reference, mx.array([[3]]), clean)
+    assert _max_diff(cache, clean) > 0.0
+
+
+def test_install_keeps_parameters_and_is_idempotent(tiny_checkpoint) -> None:
+    model = load_with_heads(tiny_checkpoint("qwen3_5"))[0]
+    before = {k: v for k, v in tree_flatten(model.parameters())}
+    assert capture.install(model) == capture.install(model) > 0
+    after = {k: v for k, v in tree_flatten(model.parameters())}
+    assert before.keys() == after.keys()
+    assert all(before[k] is after[k] for k in before)
+    cache = _primed(model, 1)  # unarmed: nothing recorded, nothing attached
+    assert not any(hasattr(c, "melix_steps") for c in cache)
+    assert capture.supported(model, cache)
