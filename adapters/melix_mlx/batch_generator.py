@@ -257,9 +257,10 @@ class MTPBatchGenerator:
             generation: list[MTPResponse] = []
             if len(self.batch):
                 tic = time.perf_counter()
+                size = len(self.batch)
                 generation = self._step()
                 elapsed = time.perf_counter() - tic
-                self._apply_policy(elapsed, len(generation))
+                self._apply_policy(size, elapsed, len(generation))
                 self._counters.decode_time += time.perf_counter() - tic
                 self._counters.generation_tokens += len(generation)
                 self._counters.generation_steps += 1
@@ -288,18 +289,29 @@ class MTPBatchGenerator:
         counters = self.batch.row(uid).counters if uid in self.batch else self._retired_counters.get(uid)
         return counters.copy() if counters is not None else None
 
-    def _apply_policy(self, seconds: float, tokens: int) -> None:
-        """Feed the controller this step's outcomes; turn its action into lifecycle events."""
-        if self.controller is None or not len(self.batch):
+    def _apply_policy(self, size: int, seconds: float, tokens: int) -> None:
+        """Feed the controller this step's outcomes and wall time; its action becomes events."""
+        if self.controller is None:
             return
         accepted = proposed = 0
+        positions: list[int] = []
         for signals in self._events.values():
             for signal in signals:
                 if signal.event is lc.Event("draft"):
                     proposed += signal.drafts
+                    positions.extend([0] * (signal.drafts - len(positions)))
                 elif signal.event is lc.Event("verified"):
                     accepted += signal.accepted
-        action = self.controller.update(len(self.batch), accepted, proposed, seconds=seconds, tokens=tokens)
+                    for j in range(signal.accepted):
+                        positions[j] += 1
+        action = self.controller.update(
+            size,
+            accepted,
+            proposed,
+            seconds=seconds,
+            tokens=tokens,
+            accepted_per_position=positions or None,
+        )
         if action is Action.keep:
             return
         reason = self.controller.events[-1].reason if self.controller.events else action.value

@@ -185,10 +185,10 @@ class MTPDecoder:
         self._last_step_end = now
         if self.controller is None or self.machine.state in _NO_POLICY:
             return
-        if seconds is None:
-            action = self.controller.update(1, accepted, proposed)
-        else:
-            action = self.controller.update(1, accepted, proposed, seconds=seconds, tokens=tokens)
+        positions = [1] * accepted + [0] * (proposed - accepted) if proposed else None
+        action = self.controller.update(
+            1, accepted, proposed, seconds=seconds, tokens=tokens, accepted_per_position=positions
+        )
         self._apply(action)
 
     def _fault(self, fault: SpeculativeFault, k: int) -> None:
