@@ -92,7 +92,9 @@ class LiveConfig(msgspec.Struct, frozen=True, kw_only=True):
     suspend_below: float = 0.97  # suspend when measured speedup falls below this
     resume_above: float = 1.03  # resume only above this
     min_dwell: int = 16  # steps after a policy switch before the next one
-    first_probe_after: int = 16  # steps before the first probe of the unmeasured side
+    first_probe_after: int = 16  # steps before the first probe of the unmeasured side, except:
+    defer_plain_above: float = 1.25  # speculation clearly beats the calibrated plain: first plain probe later
+    doubtful_probe_after: int = 256  # the calibration says not even perfect acceptance pays
     plain_probe_every: int = 128  # steps between plain probes while speculating ...
     probe_after: int = 64  # ... and between speculative probes while suspended
     probe_steps: int = 8  # timed steps in one probe window, at least ...
@@ -112,6 +114,8 @@ class LiveConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise PolicyError("live controller: step counts must be >= 1 (min_dwell >= 0)")
         if self.probe_max_steps < self.probe_steps or self.min_samples > self.probe_steps:
             raise PolicyError("live controller: probe_max_steps >= probe_steps >= min_samples")
+        if self.doubtful_probe_after < 1 or self.defer_plain_above < self.resume_above:
+            raise PolicyError("live controller: doubtful_probe_after >= 1, defer_plain_above >= resume_above")
         if self.probe_backoff < 1.0 or self.probe_max_after < max(self.probe_after, self.plain_probe_every):
             raise PolicyError("live controller: probe_backoff >= 1, probe_max_after >= the probe waits")
 
@@ -264,7 +268,11 @@ class LiveController:
         self._plain_wait = cfg.plain_probe_every
         self._spec_wait = cfg.probe_after
         self._next_plain_probe = cfg.first_probe_after
-        self._next_spec_probe = cfg.first_probe_after
+        self._deferred = False  # the first plain probe was put off once already
+        # A probe costs what the losing side loses over its window; on a short run that
+        # is a visible share. Probe early only where the prior is in doubt.
+        hopeless = self.table is not None and self._perfect_speedup(batch_size) < cfg.resume_above
+        self._next_spec_probe = cfg.doubtful_probe_after if hopeless else cfg.first_probe_after
         self._shared: Decision | None = None
         if self.disabled_reason is not None:
             self._record(Action.suspend, self.disabled_reason, batch_size)
@@ -526,6 +534,17 @@ class LiveController:
     def _while_on(self, batch_size: int) -> None:
         cfg = self.config
         if self._timed and self.depth.exploring is None and self.step >= self._next_plain_probe:
+            est = self.estimate(batch_size)
+            # the calibrated plain is a measurement only at a calibrated batch size
+            calibrated_here = (
+                any(t.batch_size == batch_size for t in self.table.entries) if self.table else False
+            )
+            ahead = est.source == "measured_spec" and self._above(est, cfg.defer_plain_above)
+            if not self._deferred and calibrated_here and ahead:
+                # clearly ahead of the calibrated plain: the first plain window can wait (once)
+                self._deferred = True
+                self._next_plain_probe = self.step + self._plain_wait
+                return
             self._start_probe("plain", batch_size)
             return
         if self.step % cfg.every or not self._dwelt():
@@ -672,6 +691,11 @@ class LiveController:
                 self._record(action, LiveReason.shared_decision, batch_size)
 
     # -- the prior -----------------------------------------------------------------
+    def _perfect_speedup(self, batch_size: int) -> float:
+        """The calibrated speedup if every draft were kept (no replay): the best case."""
+        k = self.depth.chosen
+        return (k + 1) / self._timings_at(batch_size, k).cost(CycleForwards())
+
     def _cost_fn(self, batch_size: int) -> Callable[[int], float] | None:
         if self.table is None:
             return None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from melix_fsm.batch import Batch
@@ -80,6 +80,7 @@ NOISY_VERDICT = 400
 
 
 @settings(max_examples=40, deadline=None)
+@example(slowdown=0.6875, noise=0.0, keep=0.0, rows=6, seed=0)  # plain beats the extrapolated t_1(6)
 @given(
     slowdown=st.floats(0.3, 0.85),
     noise=st.floats(0.0, 0.08),
@@ -120,6 +121,23 @@ def test_faster_gets_on_even_if_the_prior_disabled_it():
     assert ctrl.speculating and ctrl.counters.probes_passed == 1
     history = run(FAST, ctrl, 2000)
     assert spec_share(history) > 0.97 and ctrl.counters.suspend_decisions == 0
+
+
+def test_probes_cost_little_where_the_prior_is_sure():
+    # speculation clearly beats the calibrated plain at a calibrated batch size: the
+    # first plain window waits (once), so a short run loses nothing to it
+    ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2)
+    history = run(FAST, ctrl, 100)
+    assert spec_share(history) == 1.0 and ctrl.counters.plain_probes == 0
+    run(FAST, ctrl, 100)
+    assert ctrl.counters.plain_probes == 1
+    # calibrated: not even perfect acceptance would pay: the first probe waits longer
+    hopeless = Timings(t_1=1.0, t_verify=2.0, t_head=0.2, k=1)
+    ctrl = LiveController(hopeless, prior=PRIOR, depth=1)
+    history = run(FAST, ctrl, CFG.doubtful_probe_after)
+    assert spec_share(history) == 0.0
+    run(FAST, ctrl, FIRST_VERDICT)
+    assert ctrl.speculating  # ... but measurement still wins over the calibration
 
 
 def test_a_phase_change_is_followed_both_ways():
