@@ -2,19 +2,27 @@
 
 Rules of this module:
 - Every figure is a ratio of two measurements taken in the same process, interleaved
-  (baseline, candidate, baseline, candidate, ...) and summarised by the median, so slow
-  drift of a shared machine hits both sides alike. Absolute tokens/s are reported too,
-  but only the ratios are claims.
-- Baselines: mlx-lm's `BatchGenerator` at the same batch size (every cell), mlx-lm's plain
-  `stream_generate` and its `speculative_generate_step` with a draft model (batch 1).
-- Each batch cell runs three generators side by side: plain (mlx-lm), MTP forced on, and MTP
-  under the device policy's `auto` (the calibrated controller `generate` would use).
+  (baseline, candidate, baseline, candidate, ...) and summarised by the median, with the
+  spread (min, max) of the per-repeat ratios, so slow drift of a shared machine hits both
+  sides alike and the noise is visible. Absolute tokens/s are reported too; only ratios
+  are claims.
+- Baselines: mlx-lm's `BatchGenerator` at the same batch size (every batch cell), mlx-lm's
+  plain `stream_generate` (single cells) and its `speculative_generate_step` with a draft
+  model (batch 1).
+- Each cell runs, interleaved: plain (mlx-lm), MTP forced on, and MTP under the device
+  policy's `auto` (the live controller `generate --device-policy auto` would run, primed
+  by this run's calibration); at the deepest k also `auto` depth. `auto_over_best` is
+  auto / max(plain, forced on) per repeat.
+- Ideal: E[tokens per cycle] / ((t_verify + k t_head) / t_1) from this run's calibrated
+  timings and the cell's measured per-position acceptance; efficiency = measured ratio /
+  ideal. The per-cycle breakdown puts the calibrated verify and head times beside the
+  engine's measured host times (graph build, dispatch, sync wait, rollback, caller's
+  bookkeeping) and the host time no device work covered: cycle - (t_verify + k t_head).
+- Prompts are held-out text per workload (melix_mlx.workloads) or the user's
+  (`--prompts FILE`); acceptance is reported per workload and draft position.
 - Throughput is generation tokens over generation time, prompt processing excluded, read
   from each generator's own counters (mlx-lm's `BatchStats` for both batch generators,
   `generation_tps` of the last response for the single-sequence paths).
-- Each MTP cell also reports what the cost model predicted from the calibrated timings and
-  the acceptance it measured, so measured / predicted shows how much the implementation
-  leaves on the table.
 - The regime (device, BLAS loaded into this process, dtype, versions) is recorded with
   the results: the same machine gives opposite verdicts in different regimes.
 """
@@ -35,8 +43,8 @@ import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, stream_generate
 from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
 
+from melix_fsm.live_policy import LiveController
 from melix_fsm.policy import (
-    ActivationController,
     Policy,
     TimingTable,
     acceptance_prior,
@@ -47,19 +55,13 @@ from melix_fsm.telemetry import loaded_blas, read_proc_maps
 
 from .batch_generator import MTPBatchGenerator
 from .calibrate import calibrate, device_kind, model_dtype
+from .decode import MTPDecoder
+from .engine import CycleClock
 from .generate import mtp_stream_generate
 from .sampling import make_sampler
+from .workloads import Prompt, held_out_prompts
 
-BENCH_PROMPTS = [
-    "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
-    "class Cache:\n    def __init__(self, maxsize=128):\n        self.",
-    "import os\nimport sys\n\n\ndef main():\n    for name in os.listdir(",
-    "    def __repr__(self):\n        return '%s(%r)' % (self.__class__.__name__, ",
-    "try:\n    import _thread\nexcept ImportError:\n    ",
-    "def read_file(path, encoding='utf-8'):\n    with open(path, ",
-    "    if not isinstance(value, str):\n        raise TypeError(",
-    "for i, line in enumerate(lines):\n    if line.startswith('#'):\n        ",
-]
+BREAKDOWN = ("verify", "head", "build", "dispatch", "sync", "rollback", "outside", "not_overlapped")
 
 
 @dataclass
@@ -73,18 +75,26 @@ class Cell:
     tps: float = 0.0
     baseline_tps: float = 0.0
     ratio: float = 0.0
+    ratio_min: float = 0.0
+    ratio_max: float = 0.0
     acceptance_rate: float | None = None
     mean_acceptance_length: float | None = None
     per_position_acceptance: list[float] = field(default_factory=list)
     target_forwards_per_token: float | None = None
+    replay_forwards: int = 0
     peak_memory_gb: float = 0.0
     baseline_peak_memory_gb: float = 0.0
-    predicted_ratio: float | None = None
-    measured_over_predicted: float | None = None
-    auto_tps: float | None = None  # device policy auto (calibrated controller), same cell
+    ideal_ratio: float | None = None
+    efficiency: float | None = None  # ratio / ideal_ratio
+    breakdown_ms: dict[str, float] = field(default_factory=dict)  # per cycle
+    auto_tps: float | None = None  # device policy auto (live controller), same cell
     auto_over_plain: float | None = None
     auto_over_force_on: float | None = None
+    auto_over_best: float | None = None  # auto / max(plain, force_on), per repeat
     auto_gate: str | None = None
+    auto_speculating_share: float | None = None  # steps the auto run speculated
+    auto_depth_over_plain: float | None = None  # depth "auto" (deepest k cell only)
+    auto_depth_k: int | None = None  # the depth it settled on
     samples: list[tuple[float, float]] = field(default_factory=list)
 
 
@@ -159,6 +169,7 @@ class Bench:
         draft_model: nn.Module | None = None,
         max_tokens: int = 64,
         repeats: int = 3,
+        prompts: Sequence[Prompt] = (),
         progress: Callable[[int], None] | None = None,
     ) -> None:
         self.model = model
@@ -169,7 +180,8 @@ class Bench:
         self.max_tokens = max_tokens
         self.repeats = repeats
         self.progress = progress or (lambda n: None)
-        self.prompts = [tokenizer.encode(p) for p in BENCH_PROMPTS]
+        self.workload_prompts = list(prompts)
+        self.prompts = [tokenizer.encode(p.text) for p in self.workload_prompts]
         self.timings: dict[int, TimingTable] = {}
 
     def calibrate(self, batch_sizes: Sequence[int], ks: Sequence[int]) -> dict[str, Any]:
@@ -186,53 +198,7 @@ class Bench:
     def _prompts(self, batch_size: int) -> list[list[int]]:
         return [self.prompts[i % len(self.prompts)] for i in range(batch_size)]
 
-    def batch_cell(self, batch_size: int, k: int, temp: float) -> Cell:
-        cell = Cell("batch", batch_size, k, temp)
-        prompts = self._prompts(batch_size)
-        spec_stats = None
-        auto_samples: list[float] = []
-        for r in range(self.repeats):
-            mx.random.seed(r)
-            base = BatchGenerator(self.model, max_tokens=self.max_tokens, sampler=_sampler(temp, False))
-            b_tps, b_mem, _ = _run_batch(base, prompts, self.max_tokens)
-            base.close()
-            mx.random.seed(r)
-            gen = MTPBatchGenerator(
-                self.model,
-                self.head,
-                num_draft_tokens=k,
-                max_tokens=self.max_tokens,
-                sampler=_sampler(temp, True),
-            )
-            m_tps, m_mem, tokens = _run_batch(gen, prompts, self.max_tokens)
-            stats = gen.speculative_stats()
-            spec_stats = stats if spec_stats is None else spec_stats
-            cell.samples.append((b_tps, m_tps))
-            controller = self._controller(k, batch_size)
-            if controller is not None:
-                mx.random.seed(r)
-                auto = MTPBatchGenerator(
-                    self.model,
-                    self.head,
-                    num_draft_tokens=k,
-                    max_tokens=self.max_tokens,
-                    sampler=_sampler(temp, True),
-                    controller=controller,
-                )
-                auto_samples.append(_run_batch(auto, prompts, self.max_tokens)[0])
-            cell.peak_memory_gb = max(cell.peak_memory_gb, m_mem)
-            cell.baseline_peak_memory_gb = max(cell.baseline_peak_memory_gb, b_mem)
-            cell.target_forwards_per_token = stats["row_forwards"] / max(tokens, 1)
-            self.progress(1)
-        self._finish(cell, spec_stats)
-        if auto_samples:
-            pairs = list(zip(cell.samples, auto_samples))
-            cell.auto_tps = _median(auto_samples)
-            cell.auto_over_plain = _median(a / b for (b, _), a in pairs if b > 0)
-            cell.auto_over_force_on = _median(a / m for (_, m), a in pairs if m > 0)
-            cell.auto_gate = self._gate(k, batch_size)
-        return cell
-
+    # -- the auto policy, as `generate --device-policy auto` runs it ------------------
     def _decision(self, k: int, batch_size: int) -> Any:
         table = self.timings.get(k)
         if table is None:
@@ -245,12 +211,91 @@ class Bench:
         decision, _ = self._decision(k, batch_size)
         return None if decision is None else decision.hardware_gate.value
 
-    def _controller(self, k: int, batch_size: int) -> ActivationController | None:
-        """What `generate --device-policy auto` would run with at this batch size."""
+    def _controller(self, k: int, batch_size: int, depth: int | str | None = None) -> LiveController | None:
         decision, prior = self._decision(k, batch_size)
         if decision is None:
             return None
-        return ActivationController(self.timings[k], prior=prior, active=decision.speculate)
+        return LiveController(
+            self.timings[k],
+            prior=prior,
+            policy=Policy.auto,
+            depth=depth if depth is not None else k,
+            max_depth=k,
+            batch_size=batch_size,
+            active=decision.speculate,
+        )
+
+    # -- cells ----------------------------------------------------------------------------
+    def batch_cell(self, batch_size: int, k: int, temp: float, deepest: bool = False) -> Cell:
+        cell = Cell("batch", batch_size, k, temp)
+        prompts = self._prompts(batch_size)
+        spec_stats = None
+        clock = CycleClock()
+        auto: list[float] = []
+        auto_depth: list[float] = []
+        auto_share: list[float] = []
+        depth_k = None
+
+        def mtp(controller: Any = None, cycle_clock: CycleClock | None = None) -> tuple[float, float, Any]:
+            gen = MTPBatchGenerator(
+                self.model,
+                self.head,
+                num_draft_tokens=k,
+                max_tokens=self.max_tokens,
+                sampler=_sampler(temp, True),
+                controller=controller,
+            )
+            run_clock = CycleClock()
+            gen.engine.clock = run_clock
+            tps, mem, tokens = _run_batch(gen, prompts, self.max_tokens)
+            if cycle_clock is not None:
+                cycle_clock.merge(run_clock)
+            return tps, mem, gen
+
+        for r in range(self.repeats):
+            mx.random.seed(r)
+            base = BatchGenerator(self.model, max_tokens=self.max_tokens, sampler=_sampler(temp, False))
+            b_tps, b_mem, _ = _run_batch(base, prompts, self.max_tokens)
+            base.close()
+            mx.random.seed(r)
+            m_tps, m_mem, gen = mtp(cycle_clock=clock)
+            stats = gen.speculative_stats()
+            spec_stats = stats if spec_stats is None else spec_stats
+            cell.samples.append((b_tps, m_tps))
+            controller = self._controller(k, batch_size)
+            if controller is not None:
+                mx.random.seed(r)
+                auto.append(mtp(controller)[0])
+                auto_share.append(1.0 - controller.counters.steps_suspended / max(controller.step, 1))
+                if deepest and k > 1:
+                    chooser = self._controller(k, batch_size, depth="auto")
+                    mx.random.seed(r)
+                    auto_depth.append(mtp(chooser)[0])
+                    depth_k = chooser.k
+            cell.peak_memory_gb = max(cell.peak_memory_gb, m_mem)
+            cell.baseline_peak_memory_gb = max(cell.baseline_peak_memory_gb, b_mem)
+            cell.target_forwards_per_token = stats["row_forwards"] / max(stats["emitted"], 1)
+            cell.replay_forwards += stats["replay_forwards"]
+            self.progress(1)
+        self._finish(cell, spec_stats, clock)
+        self._auto(cell, auto, auto_share, auto_depth, depth_k)
+        return cell
+
+    def _auto(
+        self, cell: Cell, auto: list[float], share: list[float], depth: list[float], depth_k: Any
+    ) -> None:
+        if not auto:
+            return
+        pairs = list(zip(cell.samples, auto))
+        cell.auto_tps = _median(auto)
+        cell.auto_over_plain = _median(a / b for (b, _), a in pairs if b > 0)
+        cell.auto_over_force_on = _median(a / m for (_, m), a in pairs if m > 0)
+        cell.auto_over_best = _median(a / max(b, m) for (b, m), a in pairs if max(b, m) > 0)
+        cell.auto_gate = self._gate(cell.k, cell.batch_size)
+        cell.auto_speculating_share = _median(share)
+        if depth:
+            cell.auto_depth_over_plain = _median(d / b for (b, _), d in zip(cell.samples, depth) if b > 0)
+            cell.auto_depth_k = depth_k
 
     def _plain_single(self, prompt: list[int], temp: float, seed: int) -> tuple[float, float]:
         """mlx-lm's plain `stream_generate`: (tokens/s, peak GB)."""
@@ -261,42 +306,68 @@ class Bench:
         tps, mem, _ = _run_single(responses)
         return tps, mem
 
-    def single_cell(self, k: int, temp: float) -> Cell:
-        cell = Cell("single", 1, k, temp)
-        prompt = self.prompts[0]
-        last = None
-        for r in range(self.repeats):
-            b_tps, b_mem = self._plain_single(prompt, temp, seed=r)
-            mx.random.seed(r)
-            m_tps, m_mem, last = _run_single(
-                mtp_stream_generate(
-                    self.model,
-                    self.tokenizer,
-                    prompt,
-                    self.head,
-                    max_tokens=self.max_tokens,
-                    num_draft_tokens=k,
-                    sampler=_sampler(temp, True),
-                )
+    def _mtp_single(
+        self, prompt: list[int], k: int, temp: float, seed: int, controller: Any = None, clock: Any = None
+    ) -> tuple[float, float, Any]:
+        mx.random.seed(seed)
+        run_clock = CycleClock()
+        out = _run_single(
+            mtp_stream_generate(
+                self.model,
+                self.tokenizer,
+                prompt,
+                self.head,
+                max_tokens=self.max_tokens,
+                num_draft_tokens=k,
+                sampler=_sampler(temp, True),
+                controller=controller,
+                clock=run_clock,
             )
+        )
+        if clock is not None:
+            clock.merge(run_clock)
+        return out
+
+    def single_cell(self, k: int, temp: float, deepest: bool = False) -> Cell:
+        cell = Cell("single", 1, k, temp)
+        last = None
+        clock = CycleClock()
+        auto: list[float] = []
+        auto_depth: list[float] = []
+        auto_share: list[float] = []
+        depth_k = None
+        for r in range(self.repeats):
+            prompt = self.prompts[r % len(self.prompts)]
+            b_tps, b_mem = self._plain_single(prompt, temp, seed=r)
+            m_tps, m_mem, last = self._mtp_single(prompt, k, temp, r, clock=clock)
             cell.samples.append((b_tps, m_tps))
+            controller = self._controller(k, 1)
+            if controller is not None:
+                auto.append(self._mtp_single(prompt, k, temp, r, controller=controller)[0])
+                auto_share.append(1.0 - controller.counters.steps_suspended / max(controller.step, 1))
+                if deepest and k > 1:
+                    chooser = self._controller(k, 1, depth="auto")
+                    auto_depth.append(self._mtp_single(prompt, k, temp, r, controller=chooser)[0])
+                    depth_k = chooser.k
             cell.peak_memory_gb = max(cell.peak_memory_gb, m_mem)
             cell.baseline_peak_memory_gb = max(cell.baseline_peak_memory_gb, b_mem)
             stats = last.stats
             forwards = stats["target_forwards"] + stats["replay_forwards"]
             cell.target_forwards_per_token = forwards / max(last.generation_tokens, 1)
+            cell.replay_forwards += stats["replay_forwards"]
             self.progress(1)
-        self._finish(cell, last.stats if last is not None else None)
+        self._finish(cell, last.stats if last is not None else None, clock)
+        self._auto(cell, auto, auto_share, auto_depth, depth_k)
         return cell
 
     def draft_cell(self, k: int, temp: float) -> DraftCell | None:
         if self.draft_model is None:
             return None
         cell = DraftCell(k, temp)
-        prompt = self.prompts[0]
         samples = []
         accepted = total = 0
         for r in range(self.repeats):
+            prompt = self.prompts[r % len(self.prompts)]
             b_tps, _ = self._plain_single(prompt, temp, seed=r)
             mx.random.seed(r)
             responses = list(
@@ -323,21 +394,63 @@ class Bench:
         cell.draft_token_share = accepted / total if total else None
         return cell
 
-    def _finish(self, cell: Cell, stats: dict[str, Any] | None) -> None:
+    def _finish(self, cell: Cell, stats: dict[str, Any] | None, clock: CycleClock) -> None:
+        ratios = [m / b for b, m in cell.samples if b > 0]
         cell.baseline_tps = _median(b for b, _ in cell.samples)
         cell.tps = _median(m for _, m in cell.samples)
-        cell.ratio = _median(m / b for b, m in cell.samples if b > 0)
+        cell.ratio = _median(ratios)
+        cell.ratio_min, cell.ratio_max = (min(ratios), max(ratios)) if ratios else (0.0, 0.0)
         if stats is None:
             return
         cell.acceptance_rate = stats.get("acceptance_rate")
         cell.mean_acceptance_length = stats.get("mean_acceptance_length")
         cell.per_position_acceptance = list(stats.get("per_position_acceptance") or [])[: cell.k]
         table = self.timings.get(cell.k)
-        if table is not None and cell.per_position_acceptance:
-            timings, _ = table.at(cell.batch_size)
-            tokens = expected_tokens_from_positions(cell.per_position_acceptance)
-            cell.predicted_ratio = tokens / timings.cycle_cost
-            cell.measured_over_predicted = cell.ratio / cell.predicted_ratio
+        if table is None or not cell.per_position_acceptance:
+            return
+        timings, _ = table.at(cell.batch_size)
+        tokens = expected_tokens_from_positions(cell.per_position_acceptance)
+        cell.ideal_ratio = tokens / timings.cycle_cost
+        cell.efficiency = cell.ratio / cell.ideal_ratio
+        if clock.cycles:
+            parts = clock.per_cycle()
+            cycle = sum(parts.values())
+            device = timings.t_verify + cell.k * timings.t_head
+            cell.breakdown_ms = {
+                "verify": timings.t_verify * 1e3,
+                "head": cell.k * timings.t_head * 1e3,
+                **{name: value * 1e3 for name, value in parts.items()},
+                "cycle": cycle * 1e3,
+                "not_overlapped": (cycle - device) * 1e3,
+            }
+
+    # -- acceptance per workload -----------------------------------------------------------
+    def workload_acceptance(self, k: int) -> list[dict[str, Any]]:
+        """Greedy MTP over each prompt at depth k: per-position acceptance per workload."""
+        by_workload: dict[str, list[dict[str, Any]]] = {}
+        for prompt, tokens in zip(self.workload_prompts, self.prompts):
+            decoder = MTPDecoder(self.model, self.head, num_draft_tokens=k)
+            for _ in decoder.generate(mx.array(tokens), self.max_tokens):
+                pass
+            by_workload.setdefault(prompt.workload, []).append(decoder.stats)
+        out = []
+        for workload, runs in by_workload.items():
+            proposed = sum(s["proposed"] for s in runs)
+            accepted = sum(s["accepted"] for s in runs)
+            per_run = [s["per_position_acceptance"] for s in runs]
+            positions = [_median(p[j] for p in per_run if len(p) > j) for j in range(k)]
+            lengths = [len(t) for p, t in zip(self.workload_prompts, self.prompts) if p.workload == workload]
+            out.append(
+                {
+                    "workload": workload,
+                    "prompts": len(runs),
+                    "prompt_tokens": _median(lengths),
+                    "k": k,
+                    "acceptance_rate": accepted / proposed if proposed else None,
+                    "per_position_acceptance": positions,
+                }
+            )
+        return out
 
 
 def msgspec_builtins(value: Any) -> Any:
@@ -356,6 +469,7 @@ def run(
     max_tokens: int,
     repeats: int,
     show_progress: bool = True,
+    prompts: Sequence[Prompt] | None = None,
 ) -> dict[str, Any]:
     """Load, calibrate, run every cell; return the results as plain data."""
     from mlx_lm import load as mlx_load
@@ -364,6 +478,7 @@ def run(
 
     model, tokenizer, head, info = load_with_heads(model_dir)
     draft_model = mlx_load(str(draft_dir))[0] if draft_dir is not None else None
+    prompts = list(prompts) if prompts else held_out_prompts(model_dir)
     cells = len(batch_sizes) * len(ks) * len(temps) + len(ks) * len(temps) * (2 if draft_model else 1)
     bar = _progress_bar(cells * repeats, show_progress)
     bench = Bench(
@@ -374,12 +489,13 @@ def run(
         draft_model=draft_model,
         max_tokens=max_tokens,
         repeats=repeats,
+        prompts=prompts,
         progress=bar.update,
     )
     started = time.perf_counter()
     calibration = bench.calibrate(batch_sizes, ks)
     results: dict[str, Any] = {
-        "schema": "melix-fsm/bench/1",
+        "schema": "melix-fsm/bench/2",
         "regime": regime() | {"dtype": model_dtype(model)},
         "model": str(model_dir),
         "family": info.family,
@@ -387,14 +503,17 @@ def run(
         "max_tokens": max_tokens,
         "repeats": repeats,
         "calibration": calibration,
+        "prompts": [{"workload": p.workload, "source": p.source, "chars": len(p.text)} for p in prompts],
+        "workloads": bench.workload_acceptance(max(ks)),
         "cells": [],
         "draft_cells": [],
     }
     for temp in temps:
         for k in ks:
-            results["cells"].append(vars(bench.single_cell(k, temp)))
+            deepest = k == max(ks)
+            results["cells"].append(vars(bench.single_cell(k, temp, deepest)))
             for batch_size in batch_sizes:
-                results["cells"].append(vars(bench.batch_cell(batch_size, k, temp)))
+                results["cells"].append(vars(bench.batch_cell(batch_size, k, temp, deepest)))
             draft = bench.draft_cell(k, temp)
             if draft is not None:
                 results["draft_cells"].append(vars(draft))

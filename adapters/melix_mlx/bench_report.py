@@ -4,8 +4,8 @@ Rules of this module:
 - Input is the plain data `melix_mlx.bench.run` returns (or its JSON file); nothing here
   measures. matplotlib is imported only when a plot is asked for (optional `bench` extra).
 - The plot shows, per temperature, the speedup of MTP over mlx-lm's BatchGenerator against
-  batch size, one solid line per k, and the cost model's prediction dashed in the same
-  colour; y = 1 is drawn so "pays / does not pay" reads at a glance.
+  batch size, one solid line per k, and the ideal from the same run's timings dashed in
+  the same colour; y = 1 is drawn so "pays / does not pay" reads at a glance.
 """
 
 from __future__ import annotations
@@ -18,33 +18,52 @@ def _fmt(value: Any, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _spread(c: dict[str, Any]) -> str:
+    return f"{c['ratio_min']:.2f}-{c['ratio_max']:.2f}"
+
+
+def _breakdown(c: dict[str, Any]) -> str:
+    b = c.get("breakdown_ms") or {}
+    if not b:
+        return "-"
+    return (
+        f"{b['cycle']:.1f} = verify {b['verify']:.1f} + head {b['head']:.1f} + not overlapped "
+        f"{b['not_overlapped']:.1f} (build {b['build']:.1f}, sync {b['sync']:.1f}, rollback "
+        f"{b['rollback']:.2f}, outside {b['outside']:.2f})"
+    )
+
+
 def table(results: dict[str, Any]) -> str:
     r = results["regime"]
     lines = [
         f"regime: device={r['device']} blas={r['blas']} dtype={r.get('dtype')} mlx={r['mlx']} "
         f"mlx_lm={r['mlx_lm']}",
-        f"{'path':6} {'B':>2} {'k':>2} {'T':>4} {'tok/s':>8} {'base':>8} {'ratio':>6} {'pred':>6} "
-        f"{'m/p':>5} {'acc':>5} {'tau':>5} {'fwd/tok':>7} {'memGB':>6} {'baseGB':>6} {'auto':>5} {'a/on':>5} "
-        "gate      per-position",
     ]
     for k, entry in results.get("calibration", {}).items():
         if isinstance(entry, dict) and "error" in entry:
-            lines.insert(1, f"calibration k={k}: {entry['error']} ({entry['detail']}): no prediction")
+            lines.append(f"calibration k={k}: {entry['error']} ({entry['detail']}): no prediction")
+    for w in results.get("workloads", []):
+        lines.append(
+            f"workload {w['workload']:10} k={w['k']} acceptance {_fmt(w['acceptance_rate'])} per position "
+            + " ".join(f"{p:.2f}" for p in w["per_position_acceptance"])
+        )
+    lines.append(
+        f"{'path':6} {'B':>2} {'k':>2} {'T':>4} {'tok/s':>7} {'base':>7} {'ratio':>6} {'spread':>9} "
+        f"{'ideal':>6} {'eff':>5} {'acc':>5} {'auto':>5} {'a/best':>6} {'adepth':>6}  cycle ms"
+    )
     for c in results["cells"]:
         lines.append(
-            f"{c['path']:6} {c['batch_size']:>2} {c['k']:>2} {c['temp']:>4.1f} {c['tps']:>8.1f} "
-            f"{c['baseline_tps']:>8.1f} {c['ratio']:>6.2f} {_fmt(c['predicted_ratio']):>6} "
-            f"{_fmt(c['measured_over_predicted']):>5} {_fmt(c['acceptance_rate']):>5} "
-            f"{_fmt(c['mean_acceptance_length']):>5} {_fmt(c['target_forwards_per_token']):>7} "
-            f"{c['peak_memory_gb']:>6.3f} {c['baseline_peak_memory_gb']:>6.3f} "
-            f"{_fmt(c.get('auto_over_plain')):>5} {_fmt(c.get('auto_over_force_on')):>5} "
-            f"{(c.get('auto_gate') or '-'):9} " + " ".join(f"{p:.2f}" for p in c["per_position_acceptance"])
+            f"{c['path']:6} {c['batch_size']:>2} {c['k']:>2} {c['temp']:>4.1f} {c['tps']:>7.1f} "
+            f"{c['baseline_tps']:>7.1f} {c['ratio']:>6.2f} {_spread(c):>9} {_fmt(c['ideal_ratio']):>6} "
+            f"{_fmt(c['efficiency']):>5} {_fmt(c['acceptance_rate']):>5} "
+            f"{_fmt(c.get('auto_over_plain')):>5} {_fmt(c.get('auto_over_best')):>6} "
+            f"{_fmt(c.get('auto_depth_over_plain')):>6}  {_breakdown(c)}"
         )
     for d in results.get("draft_cells", []):
         lines.append(
-            f"draft   1 {d['k']:>2} {d['temp']:>4.1f} {d['tps']:>8.1f} {d['baseline_tps']:>8.1f} "
+            f"draft   1 {d['k']:>2} {d['temp']:>4.1f} {d['tps']:>7.1f} {d['baseline_tps']:>7.1f} "
             f"{d['ratio']:>6.2f}  (mlx-lm speculative_generate_step, draft-token share "
-            f"{_fmt(d.get('draft_token_share', d.get('acceptance_rate')))})"
+            f"{_fmt(d.get('draft_token_share'))})"
         )
     return "\n".join(lines)
 
@@ -54,8 +73,9 @@ def markdown(results: dict[str, Any]) -> str:
     r = results["regime"]
     out = [
         f"Regime: device `{r['device']}`, BLAS `{r['blas']}`, dtype `{r.get('dtype')}`, "
-        f"mlx {r['mlx']}, mlx-lm {r['mlx_lm']}, {r['machine']}; "
-        f"{results['max_tokens']} tokens per request, median of {results['repeats']} interleaved runs.",
+        f"mlx {r['mlx']}, mlx-lm {r['mlx_lm']}, {r['machine']}; model `{results['model']}`; "
+        f"{results['max_tokens']} tokens per request, median of {results['repeats']} interleaved runs "
+        "(spread: min-max of the per-run ratios).",
         "",
     ]
     for k, entry in results.get("calibration", {}).items():
@@ -64,32 +84,42 @@ def markdown(results: dict[str, Any]) -> str:
         else:
             figures = ", ".join(
                 f"B={t['batch_size']}: t_1 {t['t_1'] * 1e3:.2f} ms, verify {t['t_verify'] * 1e3:.2f} ms, "
-                f"head {t['t_head'] * 1e3:.2f} ms"
+                f"head {t['t_head'] * 1e3:.2f} ms (t_head/t_1 {t['t_head'] / t['t_1']:.2f})"
                 for t in entry
             )
             out.append(f"- calibration k={k}: {figures}")
+    if results.get("workloads"):
+        out += [
+            "",
+            "| workload | prompts | prompt tokens | k | acceptance | per position |",
+            "|---|---|---|---|---|---|",
+        ]
+        for w in results["workloads"]:
+            positions = " ".join(f"{p:.2f}" for p in w["per_position_acceptance"])
+            out.append(
+                f"| {w['workload']} | {w['prompts']} | {w['prompt_tokens']:.0f} | {w['k']} "
+                f"| {_fmt(w['acceptance_rate'])} | {positions} |"
+            )
     out += [
         "",
-        "| path | B | k | T | tok/s | baseline tok/s | ratio | predicted | measured/predicted | accept "
-        "| tau | fwd/token | peak GB (base) | auto/plain | auto/force_on | auto gate | per-position |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| path | B | k | T | tok/s | baseline | ratio | spread | ideal | efficiency | accept | auto/plain "
+        "| auto/best | auto depth/plain (k) | cycle ms: verify + head + not overlapped |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in results["cells"]:
+        depth = _fmt(c.get("auto_depth_over_plain"))
+        if c.get("auto_depth_k"):
+            depth += f" (k={c['auto_depth_k']})"
         out.append(
             f"| {c['path']} | {c['batch_size']} | {c['k']} | {c['temp']:.1f} | {c['tps']:.0f} "
-            f"| {c['baseline_tps']:.0f} | **{c['ratio']:.2f}** | {_fmt(c['predicted_ratio'])} "
-            f"| {_fmt(c['measured_over_predicted'])} | {_fmt(c['acceptance_rate'])} "
-            f"| {_fmt(c['mean_acceptance_length'])} | {_fmt(c['target_forwards_per_token'])} "
-            f"| {c['peak_memory_gb']:.3f} ({c['baseline_peak_memory_gb']:.3f}) "
-            f"| {_fmt(c.get('auto_over_plain'))} | {_fmt(c.get('auto_over_force_on'))} "
-            f"| {c.get('auto_gate') or '-'} | "
-            + " ".join(f"{p:.2f}" for p in c["per_position_acceptance"])
-            + " |"
+            f"| {c['baseline_tps']:.0f} | **{c['ratio']:.2f}** | {_spread(c)} | {_fmt(c['ideal_ratio'])} "
+            f"| {_fmt(c['efficiency'])} | {_fmt(c['acceptance_rate'])} | {_fmt(c.get('auto_over_plain'))} "
+            f"| {_fmt(c.get('auto_over_best'))} | {depth} | {_breakdown(c)} |"
         )
     for d in results.get("draft_cells", []):
         out.append(
             f"| draft model (mlx-lm) | 1 | {d['k']} | {d['temp']:.1f} | {d['tps']:.0f} "
-            f"| {d['baseline_tps']:.0f} | **{d['ratio']:.2f}** | - | - | - | - | - | - | - | - | - | - |"
+            f"| {d['baseline_tps']:.0f} | **{d['ratio']:.2f}** | - | - | - | - | - | - | - | - |"
         )
     return "\n".join(out)
 
@@ -116,9 +146,9 @@ def plot(results_by_regime: dict[str, dict[str, Any]], out: Path) -> Path:
                 xs = [c["batch_size"] for c in series]
                 color = f"C{i}"
                 ax.plot(xs, [c["ratio"] for c in series], "o-", color=color, label=f"k={k} measured")
-                pred = [c["predicted_ratio"] for c in series]
-                if all(p is not None for p in pred):
-                    ax.plot(xs, pred, "--", color=color, alpha=0.7, label=f"k={k} predicted")
+                ideal = [c["ideal_ratio"] for c in series]
+                if all(p is not None for p in ideal):
+                    ax.plot(xs, ideal, "--", color=color, alpha=0.7, label=f"k={k} ideal")
             ax.axhline(1.0, color="grey", linewidth=0.8)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("batch size")

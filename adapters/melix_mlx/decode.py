@@ -77,6 +77,7 @@ class MTPDecoder:
         machine: SequenceMachine | None = None,
         refusal: str | None = None,
         controller: Any = None,
+        clock: Any = None,
     ) -> None:
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
@@ -93,6 +94,7 @@ class MTPDecoder:
 
             install(model)
         self.engine = CycleEngine(model, head, cache, head_cache)
+        self.engine.clock = clock  # melix_mlx.engine.CycleClock: where cycle time goes (bench)
         self.prefill_step_size = prefill_step_size
         self.machine = machine if machine is not None else SequenceMachine(uid=0)
         self.fault_message: str | None = None

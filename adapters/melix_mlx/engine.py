@@ -135,6 +135,12 @@ class CycleClock:
     outside: float = 0.0
     _last_settle: float | None = None
 
+    def merge(self, other: CycleClock) -> None:
+        """Add another run's totals (each run keeps its own clock: gaps between runs are not cycles)."""
+        self.cycles += other.cycles
+        for name in ("build", "dispatch", "sync", "rollback", "outside"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
     def per_cycle(self) -> dict[str, float]:
         n = max(self.cycles, 1)
         return {k: getattr(self, k) / n for k in ("build", "dispatch", "sync", "rollback", "outside")}

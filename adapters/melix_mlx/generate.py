@@ -82,6 +82,7 @@ def make_decoder(
     machine: SequenceMachine | None = None,
     refusal: str | None = None,
     controller: Any = None,
+    clock: Any = None,
 ) -> MTPDecoder:
     """The decoder the two entry points use (exposed so callers can keep its stats)."""
     if prompt_cache is None and max_kv_size is not None:
@@ -97,6 +98,7 @@ def make_decoder(
         machine=machine,
         refusal=refusal,
         controller=controller,
+        clock=clock,
     )
 
 
@@ -164,13 +166,15 @@ def mtp_stream_generate(
     machine: SequenceMachine | None = None,
     refusal: str | None = None,
     controller: Any = None,
+    clock: Any = None,
     **kw: Any,
 ) -> Iterator[MTPGenerationResponse]:
     """`stream_generate` with an MTP head; see the module rules.
 
     `machine` is the sequence's lifecycle machine when the caller already resolved it
     (e.g. from a receipt); `refusal` forces plain decode and records the reason;
-    `controller` (melix_fsm.policy.ActivationController) suspends and resumes speculation.
+    `controller` (melix_fsm.live_policy.LiveController) suspends and resumes speculation;
+    `clock` (melix_mlx.engine.CycleClock) collects where each cycle's time goes.
     """
     if max_tokens == 0:
         raise ValueError("Maximum number of tokens must be non-zero (use -1 for no limit).")
@@ -194,6 +198,7 @@ def mtp_stream_generate(
         machine=machine,
         refusal=refusal,
         controller=controller,
+        clock=clock,
     )
 
     def response(

@@ -39,6 +39,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--regime", choices=["current", "reference", "openblas", "both"], default="current")
     p.add_argument("--out", type=Path, default=Path("bench-results"))
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help="your own prompts: a JSON list of strings or blank-line-separated blocks "
+        "(default: held-out text per workload: code, prose, structured)",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--tag", default=None, help=argparse.SUPPRESS)  # set by the parent for its children
     p.set_defaults(run=run)
@@ -55,6 +62,8 @@ def _child(args: argparse.Namespace, regime: str) -> dict[str, Any]:
     argv += ["--model", str(args.model), "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats)]
     argv += ["--batch-sizes", *map(str, args.batch_sizes), "--ks", *map(str, args.ks)]
     argv += ["--temps", *map(str, args.temps), "--tag", regime]
+    if args.prompts is not None:
+        argv += ["--prompts", str(args.prompts)]
     if args.draft_model is not None:
         argv += ["--draft-model", str(args.draft_model)]
     if args.no_progress:
@@ -80,7 +89,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         from melix_mlx.bench import run as bench_run
         from melix_mlx.errors import HeadLoadError
+        from melix_mlx.workloads import from_file
 
+        try:
+            prompts = from_file(args.prompts) if args.prompts is not None else None
+        except (OSError, ValueError) as exc:
+            print(f"melix-fsm bench: error: --prompts: {exc}", file=sys.stderr)
+            return 2
         try:
             data = bench_run(
                 args.model,
@@ -91,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
                 max_tokens=args.max_tokens,
                 repeats=args.repeats,
                 show_progress=not args.no_progress,
+                prompts=prompts,
             )
         except HeadLoadError as exc:
             print(f"melix-fsm bench: refused: {exc.reason}: {exc}", file=sys.stderr)
