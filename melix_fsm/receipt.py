@@ -482,19 +482,21 @@ def with_hardware(
                 mode=Mode.refused,
                 lifecycle_state="suspended",
                 refusal_reason=RefusalReason.device_policy_disabled,
-                message=f"device policy {decision.hardware_policy.value} disabled speculation: "
-                f"{decision.reason.value}"
-                + (
-                    f" (predicted speedup {decision.predicted_speedup:.2f})"
-                    if decision.predicted_speedup
-                    else ""
-                ),
+                message=_disabled_message(decision),
             )
     return msgspec.structs.replace(receipt, **changes)
 
 
 def _disabled_message(decision: HardwareDecision) -> str:
-    message = f"device policy {decision.hardware_policy.value} disabled speculation: {decision.reason.value}"
-    if decision.predicted_speedup is not None:
-        message += f" (predicted speedup {decision.predicted_speedup:.2f})"
+    """Says whether the live controller may still resume (a measured prior) or never will."""
+    measured = decision.predicted_speedup is not None and decision.hardware_policy.value == "auto"
+    when = "at start" if measured else "for this run"
+    message = (
+        f"device policy {decision.hardware_policy.value} disabled speculation {when}: {decision.reason.value}"
+    )
+    if measured:
+        message += (
+            f" (predicted speedup {decision.predicted_speedup:.2f}); resumed only where a live probe "
+            "measures speculation faster"
+        )
     return message

@@ -59,6 +59,7 @@ def test_failed_calibration_disables_receipt_stats_and_decoder_alike(tiny, loade
     # the receipt
     assert act.receipt.refusal_reason is RefusalReason.device_policy_disabled
     assert act.receipt.hardware_gate is HardwareGate.disabled and act.decision.reason is Reason(reason)
+    assert f"disabled speculation for this run: {reason}" in act.receipt.message
     # the controller: there is one, and it is off for good
     assert act.controller is not None and act.controller.disabled and not act.controller.speculating
     # the decoder, handed that controller, drafts nothing
@@ -82,6 +83,11 @@ def test_gate_and_controller_start_in_the_same_state(tiny, loaded, monkeypatch, 
     act = activation.evaluate(model, head, resolve(tiny, config), config)
     assert act.decision.speculate is admitted and act.controller.speculating is admitted
     assert (act.receipt.mode is Mode.accepted) is admitted
+    if not admitted:  # a measured prior: the live controller may still resume it
+        assert (
+            "disabled speculation at start" in act.receipt.message
+            and act.receipt.lifecycle_state == "suspended"
+        )
     assert act.receipt.depth is not None and act.receipt.depth.mode == "fixed" and act.k == 2
 
 
