@@ -56,7 +56,7 @@ from melix_fsm.lifecycle import Signal, State
 from melix_fsm.policy import Action, ActivationController
 from melix_fsm.report import RowReport, StepReport
 
-from . import capture, ragged_kv, rollback
+from . import ragged_kv, rollback
 from .batch_rows import InsertRequest, MTPResponse, RowState
 from .engine import CycleEngine, RowHead, RowPlan, Settled, SpeculativeFault
 from .prefill import prefill_with_hidden
@@ -106,8 +106,6 @@ class MTPBatchGenerator:
             if bad:
                 self.refusal = f"cache kinds without exact rollback: {', '.join(bad)}"
         self.batch = Batch()
-        if head is not None:
-            capture.install(model)
         self.engine = CycleEngine(model, head, [], [])  # row i of the engine is row i of the batch
         self._queue: deque[InsertRequest] = deque()
         self._uid_count = 0

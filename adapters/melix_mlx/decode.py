@@ -89,10 +89,6 @@ class MTPDecoder:
         self.processors = tuple(logits_processors or ())
         cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
         head_cache = head.make_cache() if head is not None else []
-        if head is not None:
-            from .capture import install
-
-            install(model)
         self.engine = CycleEngine(model, head, cache, head_cache)
         self.engine.clock = clock  # melix_mlx.engine.CycleClock: where cycle time goes (bench)
         self.prefill_step_size = prefill_step_size

@@ -21,6 +21,10 @@ Rules of this module:
   layers are set to the state captured inside the verify at each row's accepted length
   (melix_mlx.capture). A model whose recurrent layers cannot be captured falls back to
   restore-and-replay, counted in `replay_forwards`.
+- The verify runs each family's decode-shaped layers where mlx-lm's multi-token form is
+  a prefill form (melix_mlx.absorbed_mla: latent attention absorbed, not expanded over
+  the whole context). Those layer variants are installed with the engine and inert
+  outside a verify.
 - Rows with k = 0 ride along in a speculating batch as plain decode: their draft slots
   are padding, their accept count is forced to 0. When no row speculates, `plain`
   runs a plain [B, 1] forward instead; the hiddens wait as pending head pairs until
@@ -40,7 +44,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import capture, rollback
+from . import absorbed_mla, capture, rollback
 from .hidden import forward_with_hidden
 from .sampling import SamplingParams, normalize_logits, probabilities, sample_from
 
@@ -154,6 +158,9 @@ class CycleEngine:
         self.head = head
         self.cache = cache
         self.head_cache = head_cache
+        if head is not None:  # verify-time layer variants; unmarked they are mlx-lm's own
+            capture.install(model)
+            absorbed_mla.install(model)
         self.captures = capture.supported(model, cache) if rollback.needs_replay(cache) else True
         self.y: mx.array = mx.zeros((0,), mx.uint32)  # [B] last token, not yet fed
         self.rows: list[RowHead] = []
@@ -276,10 +283,12 @@ class CycleEngine:
         inputs = mx.concatenate([self.y[:, None], drafts], axis=1)
         # 2. verify, recording recurrent states per position where the layers can
         armed = capture.arm(self.cache) if self.captures else []
+        verifying = absorbed_mla.arm(rollback.leaves(self.cache))
         try:
             logits, hidden = forward_with_hidden(self.model, inputs, self.cache)
         finally:
             steps = capture.collect(armed)
+            absorbed_mla.disarm(verifying)
         self.target_forwards += 1
         logprobs = self._logprobs(plans, logits, inputs)
         # 3. acceptance on the device

@@ -1,10 +1,14 @@
-"""Recurrent state captured inside the verify (melix_mlx.capture), against mlx-lm itself.
+"""Verify-time layer variants against mlx-lm itself: recurrent state captured inside the
+verify (melix_mlx.capture) and latent attention in its absorbed form (melix_mlx.absorbed_mla).
 
 - The capturing layer's outputs and final caches equal mlx-lm's own layer bit for bit
   (max |diff| = 0) for blocks of 1..4 tokens, single and batched.
 - The state it selects after n of the block's positions equals the state of a cache fed
   only those n tokens, bit for bit, per row (rows select different lengths).
 - Installing changes no parameter and is idempotent; an unarmed cache never records.
+- A verify's latent attention gives, row by row, exactly mlx-lm's one-token logits
+  (measured max |diff| = 0 on the CPU wheel), and stays within 1e-4 of mlx-lm's own
+  multi-token form (which expands the whole context).
 """
 
 from __future__ import annotations
@@ -104,3 +108,25 @@ def test_install_keeps_parameters_and_is_idempotent(tiny_checkpoint) -> None:
     cache = _primed(model, 1)  # unarmed: nothing recorded, nothing attached
     assert not any(hasattr(c, "melix_steps") for c in cache)
     assert capture.supported(model, cache)
+
+
+def test_absorbed_verify_matches_one_token_decoding(loaded_heads) -> None:
+    """The verify's latent attention (absorbed) gives mlx-lm's one-token logits row by row."""
+    from melix_mlx import absorbed_mla, rollback
+
+    model = loaded_heads["deepseek_v3"][0]
+    assert absorbed_mla.install(model) > 0
+    block = [3, 4, 5]
+    stepwise = make_prompt_cache(model)
+    forward_with_hidden(model, mx.array(PROMPT[:1]), stepwise)
+    want = [forward_with_hidden(model, mx.array([[t]]), stepwise)[0][0, 0] for t in block]
+    cache = make_prompt_cache(model)
+    forward_with_hidden(model, mx.array(PROMPT[:1]), cache)
+    marked = absorbed_mla.arm(rollback.leaves(cache))
+    got = forward_with_hidden(model, mx.array([block]), cache)[0][0]
+    absorbed_mla.disarm(marked)
+    assert max(mx.abs(got[i] - want[i]).max().item() for i in range(len(block))) == 0.0
+    expanded = make_prompt_cache(model)  # unmarked: mlx-lm's own multi-token form
+    forward_with_hidden(model, mx.array(PROMPT[:1]), expanded)
+    plain = forward_with_hidden(model, mx.array([block]), expanded)[0][0]
+    assert max(mx.abs(got[i] - plain[i]).max().item() for i in range(len(block))) < 1e-4
