@@ -53,7 +53,7 @@ from mlx_lm.sample_utils import greedy_sampler
 from melix_fsm import lifecycle as lc
 from melix_fsm.batch import Batch, Row
 from melix_fsm.lifecycle import Signal, State
-from melix_fsm.policy import Action, ActivationController
+from melix_fsm.policy import ActivationController
 from melix_fsm.report import RowReport, StepReport
 
 from . import ragged_kv, rollback
@@ -302,7 +302,7 @@ class MTPBatchGenerator:
                     accepted += signal.accepted
                     for j in range(signal.accepted):
                         positions[j] += 1
-        action = self.controller.update(
+        self.controller.update(
             size,
             accepted,
             proposed,
@@ -310,17 +310,26 @@ class MTPBatchGenerator:
             tokens=tokens,
             accepted_per_position=positions or None,
         )
-        if action is Action.keep:
+        self._reconcile()
+
+    def _reconcile(self, rows: Any = None) -> None:
+        """Bring the rows' lifecycle in line with the controller's verdict: suspend or resume.
+
+        The verdict, not the returned action, is the truth: a window the controller calls
+        plain is a suspended window for every row that could speculate.
+        """
+        if self.controller is None:
             return
-        reason = self.controller.events[-1].reason if self.controller.events else action.value
-        if action is Action.suspend:
-            uids = self.batch.suspend(reason=str(reason))
-            signal = Signal(event=lc.SUSPEND.event, reason=str(reason))
+        rows = self.batch.rows if rows is None else rows
+        events = self.controller.events
+        if self.controller.speculating:
+            uids = [r.uid for r in rows if r.state is State("suspended") and r.payload.refusal is None]
+            signal = Signal(event=lc.RESUME.event, reason=str(events[-1].reason) if events else "speculating")
         else:
-            uids = self.batch.resume(reason=str(reason))
-            signal = Signal(event=lc.RESUME.event, reason=str(reason))
-        for uid in uids:
-            self._record(uid, signal)
+            uids = [r.uid for r in rows if r.state in _CYCLE_READY]
+            signal = Signal(event=lc.SUSPEND.event, reason=str(events[-1].reason) if events else "suspended")
+        if uids:
+            self._apply_signals({uid: signal for uid in uids})
 
     def next_generated(self) -> list[MTPResponse]:
         while True:
@@ -361,13 +370,9 @@ class MTPBatchGenerator:
         if self.head is not None:
             engine.head_cache = _extend_cache(engine.head_cache, ragged_kv.adopt(_merge_caches(head_caches)))
         engine.extend(mx.array(ys, dtype=mx.uint32), heads)
-        if self.controller is not None and not self.controller.speculating:
-            # speculation is suspended batch-wide: joining rows start suspended too
-            reason = self.controller.events[-1].reason if self.controller.events else "device_policy"
-            for uid in joining.suspend(reason=str(reason)):
-                self._record(uid, Signal(event=lc.SUSPEND.event, reason=str(reason)))
         first = len(self.batch)
         self.batch.extend(joining)
+        self._reconcile(self.batch.rows[first:])  # joining rows follow the batch-wide verdict
         # The first token of each joining row came from its prefill: emit it now.
         finished = []
         for row in self.batch.rows[first:]:
@@ -403,7 +408,7 @@ class MTPBatchGenerator:
         )
         head_cache = self.head.make_cache() if self.head is not None else []
         head = RowHead()
-        if self.head is not None:
+        if self.head is not None and not getattr(self.controller, "disabled", False):
             # Every row's head follows its context (even a refused row's: batch shapes stay
             # uniform); pairs (h_i, t_{i+1}) of the prompt prime it and draft the first cycle.
             head = self.engine.prime(head_cache, hiddens, [*request.prompt[1:], state.y], state.params)

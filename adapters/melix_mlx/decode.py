@@ -33,7 +33,6 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from melix_fsm import lifecycle as lc
 from melix_fsm.lifecycle import SequenceMachine, State
-from melix_fsm.policy import Action
 
 from . import rollback
 from .engine import CycleEngine, Flight, RowHead, RowPlan, SpeculativeFault
@@ -184,10 +183,10 @@ class MTPDecoder:
         if self.controller is None or self.machine.state in _NO_POLICY:
             return
         positions = [1] * accepted + [0] * (proposed - accepted) if proposed else None
-        action = self.controller.update(
+        self.controller.update(
             1, accepted, proposed, seconds=seconds, tokens=tokens, accepted_per_position=positions
         )
-        self._apply(action)
+        self._reconcile()
 
     def _fault(self, fault: SpeculativeFault, k: int) -> None:
         if fault.drafted:  # the drafts existed: record them, then discard them with the fault
@@ -199,14 +198,14 @@ class MTPDecoder:
     def generate(self, prompt: mx.array, max_tokens: int = 256) -> Iterator[Emitted]:
         """Yield up to `max_tokens` tokens as `(token, logprobs, from_draft)`."""
         self._resolve()
-        if self.controller is not None and not self.controller.speculating:
-            self._apply(Action.suspend)  # the gate disabled this start: begin suspended
+        self._reconcile()  # a start the gate disabled begins suspended
         logits, hiddens = prefill_with_hidden(self.model, prompt, self.cache, self.prefill_step_size)
         prompt_tokens = prompt.tolist()
         logprobs = self._process(logits, prompt_tokens)
         y = int((mx.argmax(logprobs, axis=-1) if self.sampler is None else self.sampler(logprobs)).item())
         row = RowHead()
-        if self.head is not None and self.refusal is None:
+        disabled = getattr(self.controller, "disabled", False)  # never speculates: no head work
+        if self.head is not None and self.refusal is None and not disabled:
             row = self.engine.prime(self.head_cache, hiddens, [*prompt_tokens[1:], y], self.params)
         self.engine.extend(mx.array([y]), [row])
         if self.processors:
@@ -243,14 +242,23 @@ class MTPDecoder:
                 logits = processor(history, logits)
         return normalize_logits(logits)
 
-    def _apply(self, action: Action) -> None:
-        """Turn a controller action into a lifecycle event, when the state allows it."""
-        if action is Action.keep:
+    def _reconcile(self) -> None:
+        """Bring the lifecycle in line with the controller's verdict: suspend or resume.
+
+        The verdict, not the returned action, is the truth: a window the controller calls
+        plain is a suspended window, whatever led there.
+        """
+        if self.controller is None:
             return
-        event = lc.SUSPEND if action is Action.suspend else lc.RESUME
+        want = self.controller.speculating
+        state = self.machine.state
+        if want == (state is not State("suspended")) or state in _NO_POLICY:
+            return
+        event = lc.RESUME if want else lc.SUSPEND
         if self.machine.allows(event.event):
-            reason = self.controller.events[-1].reason if self.controller.events else action.value
-            self.machine.send(lc.Signal(event=event.event, reason=str(reason)))
+            events = self.controller.events
+            reason = str(events[-1].reason) if events else ("speculating" if want else "suspended")
+            self.machine.send(lc.Signal(event=event.event, reason=reason))
 
     @property
     def stats(self) -> dict[str, Any]:
