@@ -18,12 +18,12 @@ from typing import Any
 from .batch import Batch
 from .counters import Counters, total
 from .errors import MelixError, UnknownSequence
-from .lifecycle import FINISH, State
+from .lifecycle import FINISH, IN_CYCLE, State
 from .lifecycle import SPEC as LIFECYCLE_SPEC
 from .spec import load_batch
 
 BATCH_SPEC = load_batch(LIFECYCLE_SPEC)
-_IN_CYCLE = frozenset({State("drafting"), State("verifying")})
+_IN_CYCLE = IN_CYCLE
 
 
 class InvariantViolation(MelixError, AssertionError):

@@ -255,6 +255,17 @@ def legal_events(state: State) -> list[Event]:
     return [e for e in Event if (state, e) in TABLE]
 
 
+def states_allowing(event: Event) -> frozenset[State]:
+    """Every state in which the table accepts `event` (state predicates come from the spec)."""
+    return frozenset(state for state, e in TABLE if e is event)
+
+
+# Step-boundary predicates the decoders use, derived from the table, never re-typed:
+CYCLE_READY = states_allowing(Event("draft"))  # the next step may speculate
+STEERABLE = states_allowing(Event("suspend")) | states_allowing(Event("resume"))  # policy applies
+IN_CYCLE = states_allowing(Event("verify")) | states_allowing(Event("verified"))  # drafts pending
+
+
 # Ready-made payload-free signals for the hot path (Signal is immutable, so sharing is safe).
 ADMIT = Signal(event=Event("admit"))
 REFUSE = Signal(event=Event("refuse"))

@@ -62,8 +62,6 @@ from .engine import CycleEngine, RowHead, RowPlan, Settled, SpeculativeFault
 from .prefill import prefill_with_hidden
 from .sampling import normalize_logits, params_of
 
-_CYCLE_READY = frozenset({State("admitted"), State("accepted"), State("rolled_back")})
-
 
 class MTPBatchGenerator:
     """Continuous batching with MTP speculation in every row; see the module rules."""
@@ -326,7 +324,7 @@ class MTPBatchGenerator:
             uids = [r.uid for r in rows if r.state is State("suspended") and r.payload.refusal is None]
             signal = Signal(event=lc.RESUME.event, reason=str(events[-1].reason) if events else "speculating")
         else:
-            uids = [r.uid for r in rows if r.state in _CYCLE_READY]
+            uids = [r.uid for r in rows if r.state in lc.CYCLE_READY]
             signal = Signal(event=lc.SUSPEND.event, reason=str(events[-1].reason) if events else "suspended")
         if uids:
             self._apply_signals({uid: signal for uid in uids})
@@ -430,7 +428,7 @@ class MTPBatchGenerator:
         plans = []
         for row, state in zip(rows, states):
             k = 0
-            if row.state in _CYCLE_READY and state.refusal is None and self.head is not None:
+            if row.state in lc.CYCLE_READY and state.refusal is None and self.head is not None:
                 remaining = state.max_tokens - state.num_generated
                 k = max(1, min(depth or state.k, state.k, remaining - 1))
             sampler = None if state.sampler is greedy_sampler else state.sampler

@@ -32,7 +32,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from melix_fsm import lifecycle as lc
-from melix_fsm.lifecycle import SequenceMachine, State
+from melix_fsm.lifecycle import SequenceMachine
 
 from . import rollback
 from .engine import CycleEngine, Flight, RowHead, RowPlan, SpeculativeFault
@@ -43,8 +43,6 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 Sampler = Callable[[mx.array], mx.array]
 Emitted = tuple[int, mx.array, bool]
 
-_CYCLE_READY = frozenset({State("admitted"), State("accepted"), State("rolled_back")})
-_NO_POLICY = frozenset({State("refused"), State("faulted"), State("finished")})  # never speculate again
 
 
 @dataclass
@@ -134,7 +132,7 @@ class MTPDecoder:
 
     def _depth(self, remaining: int) -> int:
         """Drafts for the next cycle; 0 means the next step decodes plainly."""
-        if self.machine.state not in _CYCLE_READY or self.refusal:
+        if self.machine.state not in lc.CYCLE_READY or self.refusal:
             return 0
         if self.controller is not None and not self.controller.speculating:
             return 0
@@ -180,7 +178,7 @@ class MTPDecoder:
         now = time.perf_counter()
         seconds = None if self._last_step_end is None else now - self._last_step_end
         self._last_step_end = now
-        if self.controller is None or self.machine.state in _NO_POLICY:
+        if self.controller is None or self.machine.state not in lc.STEERABLE:
             return
         positions = [1] * accepted + [0] * (proposed - accepted) if proposed else None
         self.controller.update(
@@ -252,7 +250,7 @@ class MTPDecoder:
             return
         want = self.controller.speculating
         state = self.machine.state
-        if want == (state is not State("suspended")) or state in _NO_POLICY:
+        if want == (state in lc.CYCLE_READY) or state not in lc.STEERABLE:
             return
         event = lc.RESUME if want else lc.SUSPEND
         if self.machine.allows(event.event):
