@@ -100,7 +100,7 @@ class MTPBatchGenerator:
         self._default_stop = StopSequences(stop_tokens if stop_tokens else None)
         self.refusal = refusal or ("no MTP head loaded" if head is None else None)
         if self.refusal is None:
-            bad = rollback.unsupported_kinds(make_prompt_cache(model, max_kv_size))
+            bad = rollback.unsupported_kinds(make_prompt_cache(model, max_kv_size), model=model)
             if bad:
                 self.refusal = f"cache kinds without exact rollback: {', '.join(bad)}"
         self.batch = Batch()

@@ -110,7 +110,7 @@ class MTPDecoder:
             return "no MTP head loaded"
         if self.params is None:
             return "unknown sampler: its distribution cannot be verified losslessly"
-        bad = rollback.unsupported_kinds(self.cache)
+        bad = rollback.unsupported_kinds(self.cache, model=self.model)
         if bad:
             return f"cache kinds without exact rollback: {', '.join(bad)}"
         return None

@@ -19,8 +19,9 @@ Rules of this module:
   needs a separate catch-up forward and shapes never depend on acceptance.
 - Rollback without replay: KV layers are trimmed per row (melix_mlx.rollback); recurrent
   layers are set to the state captured inside the verify at each row's accepted length
-  (melix_mlx.capture). A model whose recurrent layers cannot be captured falls back to
-  restore-and-replay, counted in `replay_forwards`.
+  (melix_mlx.capture). A cache whose recurrent layers cannot be captured is refused by
+  the decoders before a cycle runs (`rollback.unsupported_kinds`); were one launched
+  anyway, the cycle faults (caches restored) instead of rolling back inexactly.
 - The verify runs each family's decode-shaped layers where mlx-lm's multi-token form is
   a prefill form (melix_mlx.absorbed_mla: latent attention absorbed, not expanded over
   the whole context). Those layer variants are installed with the engine and inert
@@ -108,7 +109,6 @@ class Flight:
     head_checkpoint: rollback.Checkpoint
     armed: list[Any]
     steps: list[Any]
-    replay: bool  # recurrent layers without capture: restore and replay at settle
 
 
 @dataclass
@@ -161,11 +161,10 @@ class CycleEngine:
         if head is not None:  # verify-time layer variants; unmarked they are mlx-lm's own
             capture.install(model)
             absorbed_mla.install(model)
-        self.captures = capture.supported(model, cache) if rollback.needs_replay(cache) else True
         self.y: mx.array = mx.zeros((0,), mx.uint32)  # [B] last token, not yet fed
         self.rows: list[RowHead] = []
         self.target_forwards = 0
-        self.replay_forwards = 0
+        self.replay_forwards = 0  # stays 0: rollback selects captured states, it never replays
         self.head_forwards = 0
         self._drafted = False
         self.clock: CycleClock | None = None  # set to a CycleClock to break cycles down (bench)
@@ -281,8 +280,10 @@ class CycleEngine:
         drafts = mx.stack(columns, axis=1)  # [B, K]
         self._drafted = True
         inputs = mx.concatenate([self.y[:, None], drafts], axis=1)
-        # 2. verify, recording recurrent states per position where the layers can
-        armed = capture.arm(self.cache) if self.captures else []
+        # 2. verify, recording recurrent states per position
+        if rollback.needs_capture(self.cache) and not capture.supported(self.model, self.cache):
+            raise TypeError("recurrent layers without state capture have no exact rollback")
+        armed = capture.arm(self.cache)
         verifying = absorbed_mla.arm(rollback.leaves(self.cache))
         try:
             logits, hidden = forward_with_hidden(self.model, inputs, self.cache)
@@ -319,7 +320,6 @@ class CycleEngine:
             head_checkpoint=head_cp,
             armed=armed,
             steps=steps,
-            replay=not self.captures,
         )
 
     def _logprobs(self, plans: list[RowPlan], logits: mx.array, inputs: mx.array) -> mx.array:
@@ -377,11 +377,8 @@ class CycleEngine:
         fed = flight.inputs.tolist()
         bonus = flight.bonus.tolist()
         K = flight.K
-        keep = [a + 1 for a in accepted]
-        if flight.replay and any(n < K + 1 for n in keep):
-            self._replay(flight, fed, keep)
-        else:
-            rollback.drop_row_suffixes(self.cache, [K + 1 - n for n in keep], skip_recurrent=True)
+        # recurrent leaves already hold their captured states (selected in the graph)
+        rollback.drop_row_suffixes(self.cache, [K - a for a in accepted], skip_recurrent=True)
         rollback.drop_row_suffixes(self.head_cache, [K - a for a in accepted])
         self.y = flight.bonus.astype(mx.uint32)
         for i, row in enumerate(self.rows):
@@ -408,14 +405,6 @@ class CycleEngine:
             capture.collect(flight.armed)
         rollback.restore(self.cache, flight.checkpoint)
         rollback.restore(self.head_cache, flight.head_checkpoint)
-
-    def _replay(self, flight: Flight, fed: list[list[int]], keep: list[int]) -> None:
-        """Restore-and-replay for recurrent layers without capture (counted)."""
-        rollback.restore(self.cache, flight.checkpoint)
-        rollback.ragged_forward(
-            lambda x, c: forward_with_hidden(self.model, x, c), [f[:n] for f, n in zip(fed, keep)], self.cache
-        )
-        self.replay_forwards += 1
 
     # -- plain steps -----------------------------------------------------------------------
     def plain(self, plans: list[RowPlan]) -> tuple[mx.array, mx.array]:

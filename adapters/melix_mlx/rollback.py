@@ -10,10 +10,12 @@ Rules of this module:
   padding rolled to the front by `finalize()`, mlx-lm's own mechanism. KV caches write
   in place, so they are never snapshotted by reference.
 - Recurrent (ArraysCache) leaves are not trimmable. The verify captures their state at
-  every position and rollback selects it (melix_mlx.capture). Where a layer cannot be
-  captured, a `Checkpoint` (a copy of each leaf's array list: the layer replaces its
-  arrays on update, so the copy is cheap and exact) is restored and the kept tokens are
-  replayed with `ragged_forward`, which masks every row past its own length.
+  every position and rollback selects it (melix_mlx.capture). A cache whose recurrent
+  layers cannot be captured has no exact rollback here and is refused. A `Checkpoint`
+  (KV offsets and a copy of each recurrent leaf's array list: the layer replaces its
+  arrays on update, so the copy is cheap and exact) undoes a whole failed cycle.
+- Which strategy a cache kind gets is spec/rollback.toml's (`strategy_of`), not a class
+  check re-typed here; `unsupported_kinds` refuses what the spec refuses.
 - Cache kinds that cannot be rolled back exactly (a RotatingKVCache, which is exact only
   until it wraps; unknown kinds) are reported by `unsupported_kinds` before decoding
   starts; nothing rolls back approximately.
@@ -21,11 +23,10 @@ Rules of this module:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 from dataclasses import dataclass
 from typing import Any
 
-import mlx.core as mx
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
@@ -65,20 +66,53 @@ def cache_kinds(cache: list[Any]) -> list[str]:
     return sorted({kind_of(c) for c in leaves(cache)})
 
 
-def unsupported_kinds(cache: list[Any]) -> list[str]:
-    """Kinds this module cannot roll back exactly (empty when all are supported)."""
+@functools.cache
+def _registry() -> Any:
+    from melix_fsm.registry import load_registry
+
+    return load_registry()
+
+
+def strategy_of(c: Any) -> str | None:
+    """spec/rollback.toml's strategy for this leaf's kind (None: refused or unknown kind)."""
+    cell = _registry().cells.get((kind_of(c), False, False))
+    return None if cell is None else cell.strategy
+
+
+# What each spec strategy needs from a leaf at runtime.
+_RUNS = {
+    "trim": lambda c: isinstance(c, _TRIMMABLE_KV),
+    "capture_select": lambda c: isinstance(c, ArraysCache),
+}
+
+
+def unsupported_kinds(cache: list[Any], model: Any = None) -> list[str]:
+    """Kinds without an exact rollback here (empty when all are supported).
+
+    The strategy comes from the spec; a kind the spec refuses (a rotating cache trims
+    exactly only until it wraps) or does not know is unsupported. `capture_select`
+    also needs every recurrent layer of `model` to have a capturing twin
+    (melix_mlx.capture): without one there is no exact rollback, and it is refused.
+    """
     bad = set()
     for c in leaves(cache):
-        if isinstance(c, _TRIMMABLE_KV + (ArraysCache,)):
-            continue
-        # A rotating cache trims exactly only until it wraps; speculation near the
-        # window edge would corrupt it, so it is refused rather than trusted.
-        bad.add(kind_of(c))
+        strategy = strategy_of(c)
+        if strategy not in _RUNS or not _RUNS[strategy](c):
+            bad.add(kind_of(c))
+    if model is not None and "arrays" not in bad and needs_capture(cache):
+        from . import capture
+
+        capture.install(model)
+        if not capture.supported(model, cache):
+            bad.add("arrays")
     return sorted(bad)
 
 
-def needs_replay(cache: list[Any]) -> bool:
+def needs_capture(cache: list[Any]) -> bool:
     return any(isinstance(c, ArraysCache) for c in leaves(cache))
+
+
+needs_replay = needs_capture  # the name the cost model's callers use: true where capture is needed
 
 
 @dataclass
@@ -152,23 +186,3 @@ def trim_all(cache: list[Any], n: int) -> None:
         return
     for c in leaves(cache):
         c.trim(n)
-
-
-def ragged_forward(
-    forward: Callable[[mx.array, list[Any]], tuple[mx.array, mx.array]],
-    rows: list[list[int]],
-    cache: list[Any],
-) -> tuple[mx.array, mx.array]:
-    """Feed row i the tokens rows[i] (ragged, right-padded) and keep only those entries."""
-    lengths = [len(r) for r in rows]
-    width = max(lengths)
-    padding = [width - n for n in lengths]
-    inputs = mx.array([r + [0] * p for r, p in zip(rows, padding)])
-    if any(padding):
-        for c in leaves(cache):
-            c.prepare(lengths=lengths, right_padding=padding)
-    out = forward(inputs, cache)
-    if any(padding):
-        for c in leaves(cache):
-            c.finalize()
-    return out

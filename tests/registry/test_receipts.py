@@ -44,7 +44,7 @@ def test_family_facts_come_from_the_registry(fakes: Fakes) -> None:
     assert qwen.concat == "embedding_first" and qwen.norm_repair == "plus_one" and qwen.chain == "post_norm"
     assert [(c.kind, c.strategy) for c in qwen.caches] == [
         ("kv", "trim"),
-        ("arrays", "snapshot_restore_replay"),
+        ("arrays", "capture_select"),
     ]
     mimo = resolve(fakes.make("mimo"))
     assert mimo.concat == "hidden_first" and mimo.norm_repair == "none"

@@ -56,7 +56,7 @@ def test_rollback_matrix_covers_every_cell() -> None:
             for c in (False, True):
                 cell = reg.rollback(kind, q, c)
                 assert (cell.strategy is None) != (cell.refusal is None)
-    assert reg.rollback("arrays", False, False).strategy == "snapshot_restore_replay"
+    assert reg.rollback("arrays", False, False).strategy == "capture_select"
     assert reg.rollback("rotating", True, False).refusal is RefusalReason.unsupported_cache_sharing
 
 

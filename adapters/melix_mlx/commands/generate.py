@@ -230,11 +230,13 @@ def run(args: argparse.Namespace) -> int:
         mx.random.seed(args.seed)
     sampler = make_sampler(temp=args.temp, top_p=args.top_p)
     k = config.num_draft_tokens
+    if k == "auto":  # the decoders draft up to the deepest k the controller may choose
+        k = controller.depth.max_k if controller is not None else 1
     common = {
         "model": str(model_dir),
         "model_source": model_source,
         "method": "mtp" if head is not None and refusal is None else "none",
-        "num_draft_tokens": k,
+        "num_draft_tokens": config.num_draft_tokens,
         "receipt": receipt_data,
         "head_load_error": head_error,
     }
@@ -244,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
         ]
     else:
         results = _batched(model, tokenizer, head, prompts, args, k, sampler, refusal, controller)
+    common["depth"] = controller.k if controller is not None else None  # where the policy left k
     for i, result in enumerate(results):
         if args.json:
             print(json.dumps({"index": i, **result, **common}))
