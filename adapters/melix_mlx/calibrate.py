@@ -30,7 +30,7 @@ from melix_fsm.calibration import DEFAULT_BUDGET_S, DEFAULT_RUNS, DEFAULT_WARMUP
 from melix_fsm.policy import Timings, TimingTable
 from melix_fsm.policy_errors import CalibrationError
 
-from . import rollback
+from . import absorbed_mla, capture, rollback
 from .hidden import forward_with_hidden
 
 Forward = Callable[[], None]
@@ -68,9 +68,17 @@ def build_forwards(
         mx.eval(logits, h)
         rollback.restore(cache, checkpoint)
 
+    # the verify as the engine runs it: decode-shaped layer variants, recurrent states captured
+    capture.install(model)
+    absorbed_mla.install(model)
+
     def fn_verify() -> None:
+        armed = capture.arm(cache)
+        marked = absorbed_mla.arm(rollback.leaves(cache))
         logits, h = forward_with_hidden(model, verify_tokens, cache)
-        mx.eval(logits, h)
+        steps = capture.collect(armed)
+        absorbed_mla.disarm(marked)
+        mx.eval(logits, h, steps)
         rollback.restore(cache, checkpoint)
 
     head_cache = head.make_cache() if head_cache is None else head_cache
