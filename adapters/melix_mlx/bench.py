@@ -186,8 +186,11 @@ class Bench:
 
     def calibrate(self, batch_sizes: Sequence[int], ks: Sequence[int]) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        context = int(_median(len(p) for p in self.prompts))  # attention costs grow with it
         for k in ks:
-            table = calibrate(self.model, self.head, batch_sizes=tuple(batch_sizes), k=k, runs=9)
+            table = calibrate(
+                self.model, self.head, batch_sizes=tuple(batch_sizes), k=k, runs=9, context=context
+            )
             if isinstance(table, TimingTable):
                 self.timings[k] = table
                 out[str(k)] = [msgspec_builtins(t) for t in table.entries]

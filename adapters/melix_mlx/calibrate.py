@@ -105,11 +105,14 @@ def calibrate(
     budget_s: float = DEFAULT_BUDGET_S,
     timer: Callable[[], float] = time.perf_counter,
     group: Any = None,
+    context: int = PROMPT_LEN,
 ) -> TimingTable | CalibrationError:
     """Measure at each batch size; a table of rank 0's figures, or the typed failure.
 
     `budget_s` bounds the whole calibration: each batch size gets what the previous ones
     left. `group`: an mx.distributed group to agree over (None: this process alone).
+    `context`: tokens already in the cache when timing (attention grows with it; a bench
+    calibrates at its prompts' length).
     """
     entries: list[Timings] = []
     deadline = timer() + budget_s
@@ -120,7 +123,7 @@ def calibrate(
             if left <= 0:
                 raise CalibrationError("measurement_timeout", f"budget {budget_s:g} s spent before B={B}")
             try:
-                fns = build_forwards(model, head, batch_size=B, k=k)
+                fns = build_forwards(model, head, batch_size=B, k=k, prompt_len=context)
             except Exception as exc:  # a model that cannot even prefill is a failed measurement
                 raise CalibrationError(
                     "measurement_failed", f"building forwards at B={B}: {type(exc).__name__}: {exc}"
