@@ -1,4 +1,4 @@
-"""Train ``stdlib-tiny``: a small DeepSeek-V3 checkpoint with a trained native MTP head.
+"""Train ``stdlib-tiny`` (DeepSeek-V3) or ``stdlib-hybrid`` (Qwen3.5): a trained native MTP head.
 
 The project's embedded default model (README main command, benchmarks), and with
 ``--no-head`` its draft model ``stdlib-tiny-draft`` for mlx-lm's own speculative decoding.
@@ -50,6 +50,16 @@ Rules this script keeps:
   inside ``model*.safetensors`` makes the strict ``mlx_lm.load`` fail. ``mtp.safetensors`` is
   outside mlx-lm's ``model*.safetensors`` glob; ``model.safetensors.index.json`` maps every
   tensor (main and head) to its file, as Hugging Face sharded checkpoints do.
+* ``--family qwen3_5`` builds ``stdlib-hybrid`` instead: the Qwen3.5 hybrid layout
+  (``model_type`` ``qwen3_5`` with ``text_config``; GatedDeltaNet linear-attention layers
+  and a full-attention layer every ``--full-attention-interval``). The main model is
+  ``mlx_lm.models.qwen3_5.Model`` itself and the head is the project's own
+  ``melix_mlx.heads.qwen3_5.MTPHead`` (``fc(cat[norm_e(emb), norm_h(h)])`` -> one
+  full-attention layer -> ``mtp.norm`` -> the main lm_head), so both train with the forward
+  inference runs. Saved in the Hugging Face layout: ``model.language_model.*``, conv1d as
+  ``[C, 1, K]``, every (1+w) RMSNorm stored as w, the head under ``mtp.*`` inside
+  ``model.safetensors`` (mlx-lm's ``sanitize`` drops ``mtp.`` keys; the project's loader
+  reads them back and adds the 1). Same data, tokenizer, self-distillation and evaluation.
 * OpenBLAS: mlx's CPU wheel ships reference BLAS (~8x slower here). When Debian's OpenBLAS
   exists and is not preloaded, the script re-executes itself with ``LD_PRELOAD`` (disable with
   ``--no-openblas``). Both paths work; the report records which BLAS ran.
@@ -60,6 +70,12 @@ Usage::
     python scripts/train_checkpoint.py --out adapters/melix_mlx/assets/stdlib-tiny-draft \
         --no-head --layers 2 --hidden 128 --intermediate 384 \
         --tokenizer-like adapters/melix_mlx/assets/stdlib-tiny
+
+    python scripts/train_checkpoint.py --family qwen3_5 \
+        --out adapters/melix_mlx/assets/stdlib-hybrid \
+        --tokenizer-like adapters/melix_mlx/assets/stdlib-tiny
+
+(The exact command of each embedded checkpoint is its ``training_report.json["command"]``.)
 
 Other options: ``--seed S --steps N --head-steps N --moe-head --dtype ...`` (see ``--help``).
 """
@@ -108,6 +124,7 @@ import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models import deepseek_v3 as dsv3  # noqa: E402
+from mlx_lm.models import qwen3_5 as q35  # noqa: E402
 from mlx_lm.models.base import create_attention_mask  # noqa: E402
 from mlx_lm.models.cache import KVCache, make_prompt_cache  # noqa: E402
 
@@ -213,6 +230,143 @@ class MTPHead(dsv3.DeepseekV3DecoderLayer):
 
 def head_logits(head: MTPHead, main: dsv3.Model, x: mx.array) -> mx.array:
     return main.lm_head(head.shared_head.norm(x))
+
+
+# --------------------------------------------------------------------------------------
+# Qwen3.5 hybrid layout (--family qwen3_5)
+# --------------------------------------------------------------------------------------
+
+
+def qwen3_5_config(
+    vocab_size: int,
+    eos_id: int,
+    *,
+    layers: int = 8,
+    hidden: int = 192,
+    intermediate: int = 512,
+    heads: int = 4,
+    full_attention_interval: int = 4,
+    mtp: bool = True,
+) -> dict[str, Any]:
+    """A Qwen3.5 config.json (``text_config`` inside, as the released checkpoints): every
+    ``full_attention_interval``-th layer is full (gated) attention, the others GatedDeltaNet
+    linear attention; ``mtp_num_hidden_layers`` advertises the head."""
+    head_dim = 32
+    text = {
+        "model_type": "qwen3_5_text",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "full_attention_interval": full_attention_interval,
+        "layer_types": [
+            "full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
+            for i in range(layers)
+        ],
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 2),
+        "head_dim": head_dim,
+        "linear_num_value_heads": heads,
+        "linear_num_key_heads": max(1, heads // 2),
+        "linear_key_head_dim": head_dim,
+        "linear_value_head_dim": head_dim,
+        "linear_conv_kernel_dim": 4,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "attn_output_gate": True,
+        "hidden_act": "silu",
+        "mamba_ssm_dtype": "float32",
+        "mtp_num_hidden_layers": 1 if mtp else 0,
+        "mtp_use_dedicated_embeddings": False,
+        "partial_rotary_factor": 0.25,
+        # rotary dims = head_dim * 0.25 = 8 -> 4 frequencies, split t/h/w as released configs
+        "rope_parameters": {
+            "mrope_interleaved": True,
+            "mrope_section": [2, 1, 1],
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 10000000,
+            "rope_type": "default",
+        },
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "dtype": "float32",
+    }
+    return {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "language_model_only": True,
+        "tie_word_embeddings": False,
+        "text_config": text,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",
+    }
+
+
+class _NormRef:
+    """``head.shared_head.norm`` for the Qwen3.5 head (its final ``mtp.norm``), so the
+    evaluation code below drives both families through one interface."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        self.norm = norm
+
+
+def qwen3_5_head(text: Any) -> Any:
+    """The project's own Qwen3.5 head module (the inference forward), wired to ``text``'s
+    embedding and lm_head, with the ``hidden`` / ``shared_head.norm`` interface of
+    ``MTPHead`` above. Its parameters are the head's own only."""
+    from melix_mlx.heads.qwen3_5 import MTPHead as Qwen3_5Head
+
+    class TrainHead(Qwen3_5Head):
+        @property
+        def shared_head(self) -> _NormRef:
+            return _NormRef(self.norm)
+
+        def hidden(self, h: mx.array, tok_emb: mx.array, cache: KVCache | None = None) -> mx.array:
+            """Pre-norm output for pairs (h_i, embed(t_{i+1})): ``__call__`` minus the norm."""
+            e = self.pre_fc_norm_embedding(tok_emb)
+            x = self.fc(mx.concatenate([e, self.pre_fc_norm_hidden(h)], axis=-1))
+            return self.layers[0](x, mask=create_attention_mask(x, cache), cache=cache)
+
+    return TrainHead(text.args, text.model.embed_tokens, text.lm_head)
+
+
+# HF stores these Qwen3.5 norms as w with forward (1 + w); mlx-lm adds the 1 when it
+# sanitizes an HF checkpoint (recognised by its [C, 1, K] conv1d weights).
+_Q35_MAIN_ONE_PLUS = (".input_layernorm.weight", ".post_attention_layernorm.weight",
+                      "model.norm.weight", ".q_norm.weight", ".k_norm.weight")
+_Q35_HEAD_ONE_PLUS = ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight",
+                      ".input_layernorm.weight", ".post_attention_layernorm.weight",
+                      ".q_norm.weight", ".k_norm.weight")
+
+
+def qwen3_5_main_to_hf(model: q35.Model) -> dict[str, mx.array]:
+    """Inverse of qwen3_5 ``sanitize``: HF names, conv1d as [C, 1, K], (1+w) norms as w."""
+    out: dict[str, mx.array] = {}
+    for name, value in tree_flatten(model.parameters()):
+        if name.startswith("language_model.model."):
+            key = "model.language_model." + name[len("language_model.model."):]
+        else:
+            key = name[len("language_model."):]  # lm_head.weight
+        if "conv1d.weight" in name:
+            value = value.moveaxis(2, 1)
+        elif value.ndim == 1 and name.endswith(_Q35_MAIN_ONE_PLUS):
+            value = value - 1.0
+        out[key] = value
+    return out
+
+
+def qwen3_5_head_to_hf(head: nn.Module) -> dict[str, mx.array]:
+    """The head's own tensors under ``mtp.*``, (1+w) norms stored as w (inverse of the
+    project's ``heads.qwen3_5.from_hf``)."""
+    out: dict[str, mx.array] = {}
+    for name, value in tree_flatten(head.parameters()):
+        if value.ndim == 1 and name.endswith(_Q35_HEAD_ONE_PLUS) and "linear_attn" not in name:
+            value = value - 1.0
+        out[f"mtp.{name}"] = value
+    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -422,7 +576,8 @@ def train_head(
 ) -> list[tuple[int, float]]:
     """Self-distillation: the frozen main model supplies h_i and the target at i+1."""
     main.freeze()
-    gate = head.mlp.gate if isinstance(head.mlp, dsv3.DeepseekV3MoE) else None
+    mlp = getattr(head, "mlp", None)  # a DeepSeek-V3 head layer; Qwen3.5 nests its layer
+    gate = mlp.gate if isinstance(mlp, dsv3.DeepseekV3MoE) else None
     if gate is not None:
         # Aux-loss-free balancing (DeepSeek-V3): the bias is moved by load, not by gradients.
         gate.freeze(keys=["e_score_correction_bias"])
@@ -438,12 +593,15 @@ def train_head(
         else:
             tgt = w[:, 2:]
         emb = main.model.embed_tokens(w[:, 1:])
-        # Recompute the head layer explicitly so the router's load is visible.
-        x = hd.eh_proj(mx.concatenate([hd.enorm(emb), hd.hnorm(h[:, :-1])], axis=-1))
-        mask = create_attention_mask(x, None, return_array=True)
-        x = x + hd.self_attn(hd.input_layernorm(x), mask)
-        xn = hd.post_attention_layernorm(x)
-        x = x + hd.mlp(xn)
+        if not hasattr(hd, "eh_proj"):  # Qwen3.5: the head module's own forward
+            x = hd.hidden(h[:, :-1], emb)
+        else:
+            # Recompute the head layer explicitly so the router's load is visible.
+            x = hd.eh_proj(mx.concatenate([hd.enorm(emb), hd.hnorm(h[:, :-1])], axis=-1))
+            mask = create_attention_mask(x, None, return_array=True)
+            x = x + hd.self_attn(hd.input_layernorm(x), mask)
+            xn = hd.post_attention_layernorm(x)
+            x = x + hd.mlp(xn)
         logits = head_logits(hd, main, x)
         # Distillation has a target for all T pairs; the data token t_{i+2} for T-1.
         if target in ("distill", "soft"):
@@ -604,36 +762,53 @@ def eval_head_decode(
 
 def save_checkpoint(
     out: Path,
-    main: dsv3.Model,
-    head: MTPHead | None,
+    main: Any,
+    head: Any | None,
     config: dict[str, Any],
     tok: Any,
     dtype: mx.Dtype,
+    family: str = "deepseek_v3",
 ) -> dict[str, str]:
+    """Write the checkpoint. ``main`` is the whole mlx-lm model (for qwen3_5 the outer
+    ``Model``). DeepSeek-V3 keeps its head in ``mtp.safetensors`` (see the module doc);
+    Qwen3.5 keeps ``mtp.*`` inside ``model.safetensors`` as the released checkpoints do
+    (mlx-lm's qwen3_5 ``sanitize`` drops every ``mtp.`` key)."""
     out.mkdir(parents=True, exist_ok=True)
     meta = {"format": "pt"}  # what HF writers put; transformers checks for it
 
     def cast(d: dict[str, mx.array]) -> dict[str, mx.array]:
-        # The router's correction bias stays float32, as mlx-lm's cast_predicate keeps it.
+        # The router's correction bias and A_log stay float32, as mlx-lm's cast_predicate
+        # keeps them.
         return {
-            k: (v if "e_score_correction_bias" in k else v.astype(dtype))
+            k: (v if "e_score_correction_bias" in k or k.endswith("A_log") else v.astype(dtype))
             for k, v in sorted(d.items())
         }
 
-    main_w = cast(main_to_hf(main))
-    head_w = cast(head_to_hf(head, main)) if head is not None else {}
+    if family == "qwen3_5":
+        main_w = cast(qwen3_5_main_to_hf(main))
+        head_w = cast(qwen3_5_head_to_hf(head)) if head is not None else {}
+        head_file = "model.safetensors"
+        main_w = {**main_w, **head_w}
+    else:
+        main_w = cast(main_to_hf(main))
+        head_w = cast(head_to_hf(head, main)) if head is not None else {}
+        head_file = "mtp.safetensors"
     mx.save_safetensors(str(out / "model.safetensors"), main_w, metadata=meta)
     stale = out / "mtp.safetensors"
-    if head_w:
+    if head_w and head_file == "mtp.safetensors":
         mx.save_safetensors(str(stale), head_w, metadata=meta)
     elif stale.exists():  # a draft model written over a checkpoint that had a head
         stale.unlink()
-    size = sum(v.nbytes for v in main_w.values()) + sum(v.nbytes for v in head_w.values())
     weight_map = {k: "model.safetensors" for k in main_w}
-    weight_map.update({k: "mtp.safetensors" for k in head_w})
+    weight_map.update({k: head_file for k in head_w})
+    size = sum(v.nbytes for v in main_w.values())
+    if head_file != "model.safetensors":
+        size += sum(v.nbytes for v in head_w.values())
     index = {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}
     cfg = dict(config)
     cfg["torch_dtype"] = {mx.float32: "float32", mx.float16: "float16"}.get(dtype, "bfloat16")
+    if "text_config" in cfg:
+        cfg["text_config"] = {**cfg["text_config"], "dtype": cfg["torch_dtype"]}
     files = {
         "config.json": cfg,
         "model.safetensors.index.json": index,
@@ -675,6 +850,22 @@ def verify_checkpoint(
     if head is None:
         result["greedy_sample"] = {"prompt": prompt, "completion": text}
         return result
+    if not hasattr(head, "eh_proj"):  # Qwen3.5: the project's loader reads the head back
+        from melix_mlx.loading import load_with_heads
+
+        model2, _, head2, info = load_with_heads(out)
+        h = main.model(w)
+        a = head(h[:, :-1], w[:, 1:])[0]
+        b = head2(model2.language_model.model(w)[:, :-1], w[:, 1:])[0].astype(mx.float32)
+        return {
+            **result,
+            "head_logits_max_abs_diff": mx.abs(a - b).max().item(),
+            "head_argmax_agreement": (mx.argmax(a, -1) == mx.argmax(b, -1)).mean().item(),
+            "load_with_heads": {"family": getattr(info, "family", None),
+                                "norms_repaired_on_load": getattr(info, "norms_repaired_on_load",
+                                                                  None)},
+            "greedy_sample": {"prompt": prompt, "completion": text},
+        }
 
     args = main.args
     weights = mx.load(str(out / "mtp.safetensors"))
@@ -712,6 +903,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--family", choices=["deepseek_v3", "qwen3_5"], default="deepseek_v3",
+                    help="checkpoint layout: DeepSeek-V3 (MLA, eh_proj head) or the Qwen3.5 "
+                         "hybrid (GatedDeltaNet + full attention, mtp.* head)")
+    ap.add_argument("--full-attention-interval", type=int, default=4,
+                    help="qwen3_5: every N-th layer is full attention, the rest linear")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=300, help="main-model optimizer steps")
     ap.add_argument("--head-steps", type=int, default=150)
@@ -766,16 +962,27 @@ def main(argv: list[str] | None = None) -> int:
     log(f"tokenizer vocab {tok.get_vocab_size()}; {len(train_ids)} train tokens, "
         f"{len(held_ids)} held-out tokens")
 
-    config = model_config(
-        tok.get_vocab_size(), eos_id, layers=opts.layers, hidden=opts.hidden,
-        intermediate=opts.intermediate, heads=opts.heads, moe_head=opts.moe_head,
-        moe_intermediate=opts.moe_intermediate, mtp=not opts.no_head,
-    )
-    args = dsv3.ModelArgs.from_dict(config)
-    main_model = dsv3.Model(args)
-    # The head is always constructed (same mx.random draws as with a head, so the main
-    # model's init does not depend on --no-head), but only trained and saved with a head.
-    head: MTPHead | None = MTPHead(args)
+    if opts.family == "qwen3_5":
+        config = qwen3_5_config(
+            tok.get_vocab_size(), eos_id, layers=opts.layers, hidden=opts.hidden,
+            intermediate=opts.intermediate, heads=opts.heads,
+            full_attention_interval=opts.full_attention_interval, mtp=not opts.no_head,
+        )
+        whole: Any = q35.Model(q35.ModelArgs.from_dict(config))
+        main_model: Any = whole.language_model  # trained and evaluated; same arrays
+        args = main_model.args
+        head: Any = qwen3_5_head(main_model)
+    else:
+        config = model_config(
+            tok.get_vocab_size(), eos_id, layers=opts.layers, hidden=opts.hidden,
+            intermediate=opts.intermediate, heads=opts.heads, moe_head=opts.moe_head,
+            moe_intermediate=opts.moe_intermediate, mtp=not opts.no_head,
+        )
+        args = dsv3.ModelArgs.from_dict(config)
+        main_model = whole = dsv3.Model(args)
+        # The head is always constructed (same mx.random draws as with a head, so the main
+        # model's init does not depend on --no-head), but only trained and saved with a head.
+        head = MTPHead(args)
     mx.eval(main_model.parameters(), head.parameters())
     n_main = sum(v.size for _, v in tree_flatten(main_model.parameters()))
     n_head = sum(v.size for _, v in tree_flatten(head.parameters()))
@@ -826,7 +1033,7 @@ def main(argv: list[str] | None = None) -> int:
         }
 
     dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}[opts.dtype]
-    hashes = save_checkpoint(opts.out, main_model, head, config, tok, dtype)
+    hashes = save_checkpoint(opts.out, whole, head, config, tok, dtype, opts.family)
     if opts.tokenizer_like is not None:
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             mine, theirs = (opts.out / name).read_bytes(), (opts.tokenizer_like / name).read_bytes()
@@ -874,11 +1081,18 @@ def main(argv: list[str] | None = None) -> int:
         },
         "acceptance": acceptance,
         "layout": {
-            "main": "model.safetensors (HF DeepSeek-V3 names)",
+            "family": opts.family,
+            "main": "model.safetensors (HF DeepSeek-V3 names)" if opts.family != "qwen3_5"
+                    else "model.safetensors (HF Qwen3.5 names: model.language_model.*, "
+                         "conv1d [C, 1, K], (1+w) norms stored as w)",
             "head": None if head is None else
-                    f"mtp.safetensors, prefix model.layers.{args.num_hidden_layers}.",
+                    f"mtp.safetensors, prefix model.layers.{args.num_hidden_layers}."
+                    if opts.family != "qwen3_5" else
+                    "model.safetensors, prefix mtp. ((1+w) norms stored as w)",
             "shared_copies": "embed_tokens and shared_head.head are stored under the head; "
-                             "equal to model.embed_tokens and lm_head",
+                             "equal to model.embed_tokens and lm_head"
+                             if opts.family != "qwen3_5" else
+                             "none: the head uses the main embed_tokens and lm_head",
             "dtype": opts.dtype,
         },
         "verify": verify,

@@ -30,7 +30,8 @@ def register(subparsers: Any) -> None:
         description="Side-by-side tokens/s ratios with acceptance, forwards per token, memory and "
         "the cost model's prediction. Opt-in: it takes minutes.",
     )
-    p.add_argument("--model", type=Path, default=None, help="default: the embedded trained checkpoint")
+    p.add_argument("--model", type=Path, default=None,
+                   help="directory or embedded name (stdlib-tiny, stdlib-hybrid); default: stdlib-tiny")
     p.add_argument("--draft-model", type=Path, default=None, help="default: the embedded draft model")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3])
@@ -78,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.model is None:
         args.model = EMBEDDED / "stdlib-tiny"
+    else:
+        from melix_mlx.checkpoints import resolve_model
+
+        args.model = resolve_model(args.model)
     if args.draft_model is None and (EMBEDDED / "stdlib-tiny-draft" / "config.json").exists():
         args.draft_model = EMBEDDED / "stdlib-tiny-draft"
     args.out.mkdir(parents=True, exist_ok=True)

@@ -33,8 +33,10 @@ def register(subparsers: Any) -> None:
         "size(s) and print the measured figures with the hardware decision. Exit 0 measured, "
         "3 refused with a typed reason, 2 usage error.",
     )
-    # TODO: default to the embedded checkpoint (adapters/melix_mlx/assets/stdlib-tiny/) once it exists.
-    parser.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
+    parser.add_argument(
+        "--model", required=True, metavar="DIR",
+        help="checkpoint directory or embedded name (stdlib-tiny, stdlib-hybrid)",
+    )
     parser.add_argument(
         "--batch-size",
         type=int,
@@ -66,6 +68,9 @@ def _usage(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from melix_mlx.checkpoints import resolve_model
+
+    args.model = resolve_model(args.model)
     if not Path(args.model).is_dir():
         return _usage(f"--model {args.model!r} is not a directory")
     if args.num_draft_tokens < 1 or min(args.batch_size) < 1 or args.runs < 1 or args.warmup < 0:

@@ -49,7 +49,8 @@ def register(subparsers: Any) -> None:
         "Exit 0 ok, 2 usage error or unreadable input, 3 explicit --method mtp refused.",
     )
     parser.add_argument(
-        "--model", default=None, metavar="DIR", help="checkpoint directory (default: embedded)"
+        "--model", default=None, metavar="DIR",
+        help="checkpoint directory or embedded name (stdlib-tiny, stdlib-hybrid; default: stdlib-tiny)",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", default=None, metavar="TEXT")
@@ -109,7 +110,9 @@ def cache_dir() -> Path:
 def _model_dir(args: argparse.Namespace) -> tuple[Path, str]:
     """(checkpoint dir, source): explicit, embedded, or the recorded random fallback."""
     if args.model is not None:
-        return Path(args.model), "explicit"
+        from melix_mlx.checkpoints import resolve_model
+
+        return resolve_model(args.model), "explicit"
     if (EMBEDDED_CHECKPOINT / "config.json").is_file():
         return EMBEDDED_CHECKPOINT, "embedded"
     from melix_mlx.tiny import make_tiny
