@@ -227,7 +227,7 @@ class MTPBatchGenerator:
         self._queue = deque(r for r in self._queue if r.uid not in wanted)
         leaving = [uid for uid in self.batch.uids if uid in wanted]
         if leaving:
-            self.batch.finish(leaving, reason="removed")
+            self._apply_signals({uid: Signal(event=lc.FINISH.event, reason="removed") for uid in leaving})
             self._filter([i for i, uid in enumerate(self.batch.uids) if uid not in wanted])
         return caches
 
@@ -352,8 +352,7 @@ class MTPBatchGenerator:
             resolution = (
                 lc.ADMIT if row.refusal is None else Signal(event=lc.REFUSE.event, reason=row.refusal)
             )
-            joining.resolve({request.uid: resolution})
-            self._record(request.uid, resolution)
+            self._apply_signals({request.uid: resolution}, joining)
             self._joined.append(request.uid)
             caches.append(cache)
             head_caches.append(head_cache)
@@ -484,9 +483,9 @@ class MTPBatchGenerator:
             self._finish(finished, out)
         return out
 
-    def _apply_signals(self, signals: dict[Any, Signal]) -> None:
-        """The one funnel for a step's lifecycle events: the batch, then the report."""
-        self.batch.step(signals)
+    def _apply_signals(self, signals: dict[Any, Signal], batch: Batch | None = None) -> None:
+        """The one funnel for every lifecycle event: the batch (atomic), then the report."""
+        (self.batch if batch is None else batch).step(signals)
         for uid, signal in signals.items():
             self._record(uid, signal)
 
@@ -518,9 +517,8 @@ class MTPBatchGenerator:
         for i, row in enumerate(self.batch):
             if row.uid in done:
                 by_uid[row.uid] = ([c.extract(i) for c in self.cache], list(row.payload.context))
-        self.batch.finish(uids)
+        self._apply_signals({uid: lc.FINISH for uid in uids})
         for uid in uids:
-            self._record(uid, lc.FINISH)
             self._retired_counters[uid] = self.batch.row(uid).counters
         self._left.extend(uids)
         for response in out:
