@@ -508,8 +508,12 @@ class MTPBatchGenerator:
             self._apply_signals({uid: lc.VERIFY for uid in uids})
         signal = Signal(event=lc.FAULT.event, reason=message)
         self._apply_signals({uid: signal for uid in uids})
+        faulted = set(uids)
         for uid in uids:
             self.batch.row(uid).payload.fault = message
+        for row, head in zip(self.batch.rows, self.engine.rows):
+            if row.uid in faulted:  # faulted for good: the head does no more work for it
+                self.engine.forget(head)
 
     def _finish(self, uids: list[Any], out: list[MTPResponse]) -> None:
         done = set(uids)

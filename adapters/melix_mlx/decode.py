@@ -192,6 +192,8 @@ class MTPDecoder:
             self.machine.send(lc.VERIFY)
         self.fault_message = str(fault)
         self.machine.send(lc.Signal(event=lc.FAULT.event, reason=self.fault_message))
+        for row in self.engine.rows:  # faulted for good: the head does no more work
+            self.engine.forget(row)
 
     def generate(self, prompt: mx.array, max_tokens: int = 256) -> Iterator[Emitted]:
         """Yield up to `max_tokens` tokens as `(token, logprobs, from_draft)`."""

@@ -191,6 +191,12 @@ class CycleEngine:
         self.y = mx.concatenate([self.y, y.astype(mx.uint32)])
         self.rows.extend(rows)
 
+    @staticmethod
+    def forget(row: RowHead) -> None:
+        """Drop a row's head state for good (a faulted or never-speculating row): no head work."""
+        row.draft = row.q = row.hidden = None
+        row.pending_h, row.pending_t = [], []
+
     def filter(self, keep: list[int]) -> None:
         self.y = self.y[mx.array(keep, dtype=mx.int32)] if keep else mx.zeros((0,), mx.uint32)
         self.rows = [self.rows[i] for i in keep]
@@ -268,9 +274,14 @@ class CycleEngine:
         params = [p.params for p in plans]
         self.catch_up(plans)  # rows that decoded plainly since their last cycle
         # 1. drafts: column 0 came from the previous cycle; chain the head for the rest
-        columns = [mx.concatenate([r.draft for r in self.rows]).astype(mx.uint32)]
+        live = next(r for r, p in zip(self.rows, plans) if p.k > 0)
+        # rows whose head state was dropped (faulted, never primed) ride along on placeholders
+        blank_draft, blank_hidden = mx.zeros((1,), mx.uint32), mx.zeros_like(live.hidden)
+        columns = [
+            mx.concatenate([blank_draft if r.draft is None else r.draft for r in self.rows]).astype(mx.uint32)
+        ]
         qcols: list[list[mx.array | None]] = [[r.q for r in self.rows]]
-        chained = mx.concatenate([r.hidden for r in self.rows], axis=0)
+        chained = mx.concatenate([blank_hidden if r.hidden is None else r.hidden for r in self.rows], axis=0)
         for _ in range(1, K):
             logits, chained = self.head(chained, columns[-1][:, None], self.head_cache)
             self.head_forwards += 1
@@ -423,10 +434,15 @@ class CycleEngine:
         tokens = tokens.astype(mx.uint32)
         if self.head is not None:
             for i, row in enumerate(self.rows):
-                row.pending_h.append(hidden[i, -1:])
-                row.pending_t.append(tokens[i : i + 1])
+                if row.draft is not None or row.pending_t:  # rows whose head is live
+                    row.pending_h.append(hidden[i, -1:])
+                    row.pending_t.append(tokens[i : i + 1])
             if max(len(r.pending_t) for r in self.rows) >= PENDING_FLUSH:
-                self.catch_up(plans)
+                try:
+                    self.catch_up(plans)
+                except Exception:  # a head that fails here fails the next cycle too: drop it
+                    for row in self.rows:
+                        self.forget(row)
         self.y = tokens
         return tokens, logprobs
 
