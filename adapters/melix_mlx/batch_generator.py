@@ -116,6 +116,9 @@ class MTPBatchGenerator:
         self._joined: list[Any] = []
         self._left: list[Any] = []
         self._first_logprobs: dict[int, mx.array] = {}
+        self._ahead: tuple[mx.array, mx.array] | None = None  # a plain step launched ahead
+        self._last_step_end: float | None = None
+        self._admitted_since = False
         self._retired_counters: dict[Any, Any] = {}
 
     # -- mlx-lm surface --------------------------------------------------------------
@@ -144,7 +147,8 @@ class MTPBatchGenerator:
         return self._stream
 
     def close(self) -> None:
-        """Nothing to release (kept for BatchGenerator parity)."""
+        """Drop a step launched ahead (kept otherwise for BatchGenerator parity)."""
+        self._ahead = None
 
     @contextlib.contextmanager
     def stats(self) -> Iterator[BatchStats]:
@@ -236,9 +240,11 @@ class MTPBatchGenerator:
         for r in self._queue:
             if r.uid in uids:
                 out[r.uid] = (r.cache, r.all_tokens)
+        ahead = self._ahead is not None  # a plain step running ahead already fed each row's y
         for i, row in enumerate(self.batch):
             if row.uid in uids:
-                out[row.uid] = ([c.extract(i) for c in self.cache], list(row.payload.context))
+                tokens = list(row.payload.context) + ([row.payload.y] if ahead else [])
+                out[row.uid] = ([c.extract(i) for c in self.cache], tokens)
         return out
 
     @property
@@ -255,12 +261,19 @@ class MTPBatchGenerator:
                 tic = time.perf_counter()
                 size = len(self.batch)
                 generation = self._step()
-                elapsed = time.perf_counter() - tic
-                self._apply_policy(size, elapsed, len(generation))
+                # the live policy sees each step's period (a plain step runs between calls)
+                end = time.perf_counter()
+                seconds = None if self._last_step_end is None else end - self._last_step_end
+                self._last_step_end = end
+                self._apply_policy(size, seconds, len(generation), exclude=self._admitted_since)
+                self._admitted_since = False
                 self._counters.decode_time += time.perf_counter() - tic
                 self._counters.generation_tokens += len(generation)
                 self._counters.generation_steps += 1
             prompt_responses = self._admit(generation)
+            if self._joined:
+                self._admitted_since = True  # the next period includes this prefill
+            self._launch_plain_ahead()
             self.last_report = StepReport(
                 rows=[
                     RowReport(
@@ -285,7 +298,23 @@ class MTPBatchGenerator:
         counters = self.batch.row(uid).counters if uid in self.batch else self._retired_counters.get(uid)
         return counters.copy() if counters is not None else None
 
-    def _apply_policy(self, size: int, seconds: float, tokens: int) -> None:
+    def _launch_plain_ahead(self) -> None:
+        """Start the next step now when it will be plain, as mlx-lm's generator does.
+
+        The device computes it while the caller handles this call's responses; the next
+        `next()` only syncs it. Only plain steps run ahead: a speculative cycle's trims
+        need its outcome, and a queue waiting for admission reshapes the batch first.
+        """
+        if not len(self.batch) or self._queue or self._ahead is not None:
+            return
+        plans = self._plans(self.batch.rows, [row.payload for row in self.batch.rows])
+        if any(p.k for p in plans):
+            return
+        tokens, logprobs = self.engine.plain(plans)
+        mx.async_eval(tokens)
+        self._ahead = (tokens, logprobs)
+
+    def _apply_policy(self, size: int, seconds: float | None, tokens: int, exclude: bool = False) -> None:
         """Feed the controller this step's outcomes and wall time; its action becomes events."""
         if self.controller is None:
             return
@@ -307,6 +336,7 @@ class MTPBatchGenerator:
             seconds=seconds,
             tokens=tokens,
             accepted_per_position=positions or None,
+            exclude=exclude,
         )
         self._reconcile()
 
@@ -447,7 +477,11 @@ class MTPBatchGenerator:
                 self._fault_rows([rows[i].uid for i in spec], [plans[i].k for i in spec], fault)
                 return []
         else:
-            tokens, logprobs = self.engine.plain(plans)
+            if self._ahead is not None:  # launched at the end of the previous call
+                tokens, logprobs = self._ahead
+                self._ahead = None
+            else:
+                tokens, logprobs = self.engine.plain(plans)
             B = len(rows)
             settled = Settled([0] * B, [[t] for t in tokens.tolist()], logprobs[:, None], [[]] * B)
         self.row_forwards += len(rows)
@@ -546,4 +580,7 @@ class MTPBatchGenerator:
         else:
             engine.cache, engine.head_cache = [], []
         engine.filter(keep)
+        if self._ahead is not None:  # the step running ahead keeps the surviving rows
+            index = mx.array(keep, dtype=mx.int32)
+            self._ahead = (self._ahead[0][index], self._ahead[1][index]) if keep else None
         self.batch.filter(keep)

@@ -195,3 +195,34 @@ def test_controller_suspends_and_resumes_rows_through_lifecycle_events(loaded_he
     totals = gen.batch.totals()
     assert totals.suspensions == 2 and totals.resumptions == 2
     assert totals.suspended_steps == 2 * 3
+
+
+def test_plain_steps_run_ahead_through_removal_and_joins(loaded_heads):
+    """Plain steps launched ahead (as mlx-lm's generator does) survive remove, insert and
+    prompt-cache extraction: tokens stay mlx-lm's, an extracted cache holds exactly the
+    tokens it is returned with."""
+    from melix_fsm.live_policy import LiveController
+    from melix_fsm.policy import Policy
+
+    model, _, head, _ = loaded_heads["qwen3_5"]
+    off = LiveController(None, policy=Policy.force_off)
+    gen = MTPBatchGenerator(model, head, num_draft_tokens=2, max_tokens=MAX_TOKENS, controller=off)
+    uids = gen.insert(PROMPTS[:2])
+    got: dict[int, list[int]] = {uid: [] for uid in uids}
+    for _ in range(4):
+        for r in gen.next()[1]:
+            got[r.uid].append(r.token)
+    assert gen._ahead is not None  # the next plain step is already running
+    caches = gen.remove([uids[0]], return_prompt_caches=True)
+    cache, tokens = caches[uids[0]]
+    assert tokens[: len(PROMPTS[0])] == PROMPTS[0]
+    assert all(c.offset == len(tokens) for c in cache if hasattr(c, "offset"))
+    assert tokens[len(PROMPTS[0]) :] == _reference(model, PROMPTS[0])[: len(tokens) - len(PROMPTS[0])]
+    (late,) = gen.insert([PROMPTS[2]])
+    got[late] = []
+    while responses := gen.next_generated():
+        for r in responses:
+            got[r.uid].append(r.token)
+    assert got[uids[1]] == _reference(model, PROMPTS[1])
+    assert got[late] == _reference(model, PROMPTS[2])
+    assert gen.speculative_stats()["proposed"] == 0
