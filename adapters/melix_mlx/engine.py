@@ -161,6 +161,8 @@ class CycleEngine:
         if head is not None:  # verify-time layer variants; unmarked they are mlx-lm's own
             capture.install(model)
             absorbed_mla.install(model)
+            if isinstance(head, nn.Module):
+                absorbed_mla.install(head)  # the head's catch-up is verify-shaped too
         self.y: mx.array = mx.zeros((0,), mx.uint32)  # [B] last token, not yet fed
         self.rows: list[RowHead] = []
         self.target_forwards = 0
@@ -313,7 +315,11 @@ class CycleEngine:
         pos = mx.arange(K + 1)[None]
         padded = mx.concatenate([drafts, mx.zeros((B, 1), mx.uint32)], axis=1)
         pair_tokens = mx.where(pos < accepted[:, None], padded, bonus[:, None].astype(mx.uint32))
-        head_logits, head_hidden = self.head(hidden, pair_tokens, self.head_cache)
+        marked = absorbed_mla.arm(rollback.leaves(self.head_cache))
+        try:
+            head_logits, head_hidden = self.head(hidden, pair_tokens, self.head_cache)
+        finally:
+            absorbed_mla.disarm(marked)
         self.head_forwards += 1
         at = accepted[:, None, None]
         next_draft, next_q = self._draw(mx.take_along_axis(head_logits, at, axis=1)[:, 0], params)
