@@ -32,7 +32,9 @@ Rules of this module:
   speculation resumes (`catch_up`), flushed every `PENDING_FLUSH` steps.
 - Faults: an exception while building or evaluating a speculative cycle restores every
   cache to the cycle's start and is re-raised as `SpeculativeFault`; the caller decides
-  what the rows do next. No token was emitted by a failed cycle.
+  what the rows do next. No token was emitted by a failed cycle. An exception from the
+  caller's own sampler or logits processor is not a fault: the caches are restored and
+  it propagates unchanged, as it would from mlx-lm.
 """
 
 from __future__ import annotations
@@ -51,6 +53,26 @@ from .sampling import SamplingParams, normalize_logits, probabilities, sample_fr
 
 Sampler = Callable[[mx.array], mx.array]
 PENDING_FLUSH = 32  # plain steps after which pending head pairs are fed to the head
+
+
+class CallerError(Exception):
+    """A caller's own sampler or logits processor raised inside a cycle.
+
+    It is the caller's bug, not a speculative fault: the engine restores its caches and
+    re-raises the original exception (via this wrapper's `cause`), as mlx-lm would.
+    """
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+
+
+def _caller(fn: Callable[..., mx.array], *args: Any) -> mx.array:
+    """Call a caller-supplied sampler or processor; its exceptions are the caller's."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        raise CallerError(exc) from exc
 
 
 class SpeculativeFault(Exception):
@@ -263,6 +285,8 @@ class CycleEngine:
         except Exception as exc:
             rollback.restore(self.cache, cp)
             rollback.restore(self.head_cache, head_cp)
+            if isinstance(exc, CallerError):
+                raise exc.cause from None  # the caller's bug: theirs to see, not a fault
             raise SpeculativeFault(exc, drafted=self._drafted) from exc
         if self.clock is not None:
             clock = self.clock
@@ -354,7 +378,7 @@ class CycleEngine:
                 history = mx.array((plan.history or []) + fed[i][: j + 1])
                 row = logits[i, j : j + 1]
                 for processor in plan.processors:
-                    row = processor(history, row)
+                    row = _caller(processor, history, row)
                 positions.append(row)
             rows.append(normalize_logits(mx.concatenate(positions, axis=0)))
         return mx.stack(rows)
@@ -372,7 +396,7 @@ class CycleEngine:
             if plan.greedy:
                 continue
             if ks[i] == 0:  # plain ride-along: the row's own sampler, as mlx-lm draws
-                token = plan.sampler(logprobs[i, 0:1]).reshape(())
+                token = _caller(plan.sampler, logprobs[i, 0:1]).reshape(())
                 a = mx.array(0, mx.int32)
             else:
                 q = mx.concatenate([qcols[j][i] for j in range(ks[i])], axis=0)
@@ -431,12 +455,16 @@ class CycleEngine:
         """
         logits, hidden = forward_with_hidden(self.model, self.y[:, None], self.cache)
         self.target_forwards += 1
-        logprobs = self._logprobs(plans, logits, self.y[:, None])[:, 0]
-        tokens = mx.argmax(logprobs, axis=-1)
-        rows = mx.arange(len(plans))
-        for i, plan in enumerate(plans):
-            if not plan.greedy:
-                tokens = mx.where(rows == i, plan.sampler(logprobs[i : i + 1]).reshape(()), tokens)
+        try:
+            logprobs = self._logprobs(plans, logits, self.y[:, None])[:, 0]
+            tokens = mx.argmax(logprobs, axis=-1)
+            rows = mx.arange(len(plans))
+            for i, plan in enumerate(plans):
+                if not plan.greedy:
+                    drawn = _caller(plan.sampler, logprobs[i : i + 1]).reshape(())
+                    tokens = mx.where(rows == i, drawn, tokens)
+        except CallerError as exc:
+            raise exc.cause from None
         tokens = tokens.astype(mx.uint32)
         if self.head is not None:
             for i, row in enumerate(self.rows):

@@ -12,6 +12,7 @@ import melix_mlx.engine as engine_mod
 import mlx.core as mx
 import pytest
 from decode_refs import mtp, reference
+from melix_mlx.decode import MTPDecoder
 from melix_mlx.generate import mtp_stream_generate
 from melix_mlx.hidden import forward_with_hidden, main_parts
 from melix_mlx.tiny import FAMILIES
@@ -78,3 +79,35 @@ def test_verify_exception_after_cache_writes(loaded_heads, family: str, monkeypa
     _assert_faulted_once(stats, "ValueError: verify failed")
     assert stats["accepted"] == 3  # the first cycle, before the fault
     assert stats["discarded"] == 3  # the faulted cycle's drafts, never emitted
+
+
+def test_a_broken_logits_processor_is_the_callers_error(loaded_heads) -> None:
+    """A caller's processor that raises is not swallowed as a speculative fault."""
+    model, _, head, _ = loaded_heads["mimo"]
+    calls = {"n": 0}
+
+    def broken(history, logits):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise ZeroDivisionError("user bug")
+        return logits
+
+    decoder = MTPDecoder(model, head, num_draft_tokens=2, logits_processors=[broken])
+    with pytest.raises(ZeroDivisionError, match="user bug"):
+        for _ in decoder.generate(mx.array(PROMPT), N):
+            pass
+    assert decoder.stats["faults"] == 0
+
+
+def test_a_broken_processor_in_a_plain_step_is_the_callers_error(loaded_heads) -> None:
+    model, _, _, _ = loaded_heads["mimo"]
+
+    def broken(history, logits):
+        if history.size > len(PROMPT) + 2:
+            raise ZeroDivisionError("user bug")
+        return logits
+
+    decoder = MTPDecoder(model, None, logits_processors=[broken])  # no head: plain steps only
+    with pytest.raises(ZeroDivisionError, match="user bug"):
+        for _ in decoder.generate(mx.array(PROMPT), N):
+            pass
