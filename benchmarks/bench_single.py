@@ -17,7 +17,7 @@ Rules of this script:
   (compute-bound). DESIGN.md explains why both verdicts matter.
 - Output: a table on stderr and one JSON object on stdout.
 
-Usage: python benchmarks/bench_single.py [--tokens 64] [--reps 5] [--families ...]
+Usage: python benchmarks/bench_single.py [--tokens 64] [--reps 5] [--families ...] [--hidden H --layers L]
 """
 
 from __future__ import annotations
@@ -140,7 +140,10 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--families", nargs="*", default=list(FAMILIES))
+    parser.add_argument("--hidden", type=int, default=None, help="hidden size of the tiny models")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers of the tiny models")
     args = parser.parse_args()
+    shape = {k: v for k, v in (("hidden_size", args.hidden), ("num_hidden_layers", args.layers)) if v}
     preload = os.environ.get("LD_PRELOAD", "")
     regime = "openblas (bandwidth-bound)" if "openblas" in preload else "reference BLAS (compute-bound)"
     result: dict[str, Any] = {
@@ -150,11 +153,12 @@ def main() -> int:
         "tokens": args.tokens,
         "reps": args.reps,
         "prompt_tokens": len(PROMPT),
+        "shape": shape,
         "families": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families:
-            path = str(make_tiny(family, f"{tmp}/{family}"))
+            path = str(make_tiny(family, f"{tmp}/{family}", **shape))
             result["families"][family] = bench_family(family, path, args.tokens, args.reps)
     print(f"regime: {regime}; {args.tokens} tokens, median of {args.reps}", file=sys.stderr)
     header = f"{'family':12} {'method':10} {'ms/tok':>8} {'ratio':>6} {'accept':>7} {'fwd/tok':>8}"
