@@ -931,6 +931,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="train and save the main model only (a draft model)")
     ap.add_argument("--tokenizer-like", type=Path, default=None,
                     help="assert the written tokenizer files equal this checkpoint's")
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="continue training the main model from this checkpoint (same config; "
+                         "its training_report.json command ran first); batches are drawn from "
+                         "a different stream; the head is trained afresh")
     ap.add_argument("--no-openblas", action="store_true")
     opts = ap.parse_args(argv)
     _maybe_reexec_with_openblas([__file__, *argv], opts.no_openblas)
@@ -945,7 +949,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[train {time.time() - t_start:6.1f}s] {msg}", flush=True)
 
     mx.random.seed(opts.seed)
-    rng = np.random.default_rng(opts.seed)
+    # A continuation (--init-from) draws other batches than the run it continues.
+    rng = np.random.default_rng(opts.seed if opts.init_from is None else [opts.seed, 1])
+    init_report = None
+    if opts.init_from is not None:
+        init_report = json.loads((opts.init_from / "training_report.json").read_text())
 
     root, train_files, held_files = stdlib_files()
     train_texts = [read_text(p) for p in train_files]
@@ -988,6 +996,18 @@ def main(argv: list[str] | None = None) -> int:
     n_head = sum(v.size for _, v in tree_flatten(head.parameters()))
     if opts.no_head:
         head, n_head = None, 0
+    if opts.init_from is not None:
+        import mlx_lm
+
+        prev = json.loads((opts.init_from / "config.json").read_text())
+        prev, cur = prev.get("text_config", prev), config.get("text_config", config)
+        shape = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size")
+        if any(prev.get(k) != cur.get(k) for k in shape):
+            raise SystemExit(f"--init-from {opts.init_from}: a different model shape")
+        previous, _ = mlx_lm.load(str(opts.init_from))
+        whole.update(previous.parameters())  # same class and config: the same tree
+        mx.eval(whole.parameters())
+        log(f"main model initialised from {opts.init_from}")
     log(f"main params {n_main}, head params {n_head} (+ shared embed/lm_head)")
 
     t = time.time()
@@ -1051,6 +1071,15 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "checkpoint": opts.out.name,
         "command": "python scripts/train_checkpoint.py " + " ".join(argv),
+        "init_from": None if init_report is None else {
+            "path": str(opts.init_from),
+            "command": init_report["command"],
+            "init_from": init_report.get("init_from"),
+            "training": {k: init_report["training"][k]
+                         for k in ("seed", "steps", "batch", "seq_len", "lr", "main_loss_curve")},
+            "note": "the main model continued from this run's main model; run its command "
+                    "first, then this one",
+        },
         "data": {
             "source": "sysconfig.get_paths()['stdlib'] top-level *.py, sorted, "
                       "minus _sysconfigdata*",
