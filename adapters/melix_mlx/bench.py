@@ -108,6 +108,7 @@ class DraftCell:
     baseline_tps: float = 0.0
     ratio: float = 0.0
     draft_token_share: float | None = None  # emitted tokens that came from the draft model
+    refused: str | None = None  # mlx-lm's draft-model path refused this model (its own error)
 
 
 def regime() -> dict[str, Any]:
@@ -373,17 +374,22 @@ class Bench:
             prompt = self.prompts[r % len(self.prompts)]
             b_tps, _ = self._plain_single(prompt, temp, seed=r)
             mx.random.seed(r)
-            responses = list(
-                stream_generate(
-                    self.model,
-                    self.tokenizer,
-                    prompt,
-                    self.max_tokens,
-                    draft_model=self.draft_model,
-                    num_draft_tokens=k,
-                    sampler=_sampler(temp, False),
+            try:
+                responses = list(
+                    stream_generate(
+                        self.model,
+                        self.tokenizer,
+                        prompt,
+                        self.max_tokens,
+                        draft_model=self.draft_model,
+                        num_draft_tokens=k,
+                        sampler=_sampler(temp, False),
+                    )
                 )
-            )
+            except ValueError as exc:  # e.g. recurrent caches: mlx-lm's draft path refuses them
+                cell.refused = str(exc)
+                self.progress(self.repeats - r)
+                return cell
             d_tps = responses[-1].generation_tps
             accepted += sum(r.from_draft for r in responses)
             total += len(responses)

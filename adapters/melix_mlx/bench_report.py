@@ -60,6 +60,9 @@ def table(results: dict[str, Any]) -> str:
             f"{_fmt(c.get('auto_depth_over_plain')):>6}  {_breakdown(c)}"
         )
     for d in results.get("draft_cells", []):
+        if d.get("refused"):
+            lines.append(f"draft   1 {d['k']:>2} {d['temp']:>4.1f}  refused by mlx-lm: {d['refused']}")
+            continue
         lines.append(
             f"draft   1 {d['k']:>2} {d['temp']:>4.1f} {d['tps']:>7.1f} {d['baseline_tps']:>7.1f} "
             f"{d['ratio']:>6.2f}  (mlx-lm speculative_generate_step, draft-token share "
@@ -117,6 +120,10 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {_fmt(c.get('auto_over_best'))} | {depth} | {_breakdown(c)} |"
         )
     for d in results.get("draft_cells", []):
+        if d.get("refused"):
+            refused = f"refused by mlx-lm: {d['refused']}"
+            out.append(f"| draft model (mlx-lm) | 1 | {d['k']} | {d['temp']:.1f} | {refused} |")
+            continue
         out.append(
             f"| draft model (mlx-lm) | 1 | {d['k']} | {d['temp']:.1f} | {d['tps']:.0f} "
             f"| {d['baseline_tps']:.0f} | **{d['ratio']:.2f}** | - | - | - | - | - | - | - | - |"
