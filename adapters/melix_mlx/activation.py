@@ -88,17 +88,22 @@ def evaluate(
         if isinstance(result, TimingTable):
             table = result
         measured = result  # a TimingTable, or the typed CalibrationError the controller disables on
-    controller = LiveController(
-        measured,
-        prior=prior,
-        policy=policy,
-        depth=AUTO_DEPTH if auto_depth else max_k,
-        max_depth=max_k,
-        batch_size=batch_size,
-        replay_on_reject=replay_on_reject,
-        config=live,
-        agree=rank0_decision(group),
-    )
+
+    def controller_for(active: bool | None = None) -> LiveController:
+        return LiveController(
+            measured,
+            prior=prior,
+            policy=policy,
+            depth=AUTO_DEPTH if auto_depth else max_k,
+            max_depth=max_k,
+            batch_size=batch_size,
+            active=active,
+            replay_on_reject=replay_on_reject,
+            config=live,
+            agree=rank0_decision(group),
+        )
+
+    controller = controller_for()
     gate_input: Any = measured
     forwards = None
     if table is not None:
@@ -110,18 +115,7 @@ def evaluate(
     decision = decide(gate_input, policy, prior, hardware=hardware, forwards=forwards)
     if table is not None and controller.speculating != decision.speculate:
         # one verdict: the controller starts where the receipt's gate says
-        controller = LiveController(
-            measured,
-            prior=prior,
-            policy=policy,
-            depth=AUTO_DEPTH if auto_depth else max_k,
-            max_depth=max_k,
-            batch_size=batch_size,
-            active=decision.speculate,
-            replay_on_reject=replay_on_reject,
-            config=live,
-            agree=rank0_decision(group),
-        )
+        controller = controller_for(active=decision.speculate)
     receipt = with_hardware(receipt, decision, depth=controller.depth_decision)
     return Activation(receipt, decision, controller)
 

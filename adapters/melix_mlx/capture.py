@@ -16,8 +16,8 @@ Rules of this module:
   position at a time through mlx-lm's own `gated_delta_update` (its reference path loops
   per position anyway; the kernels keep the state in float32 between positions). Its
   outputs equal mlx-lm's bit for bit (tests/adapters/test_capture.py).
-- Layers without a capturing subclass keep the restore-and-replay rollback; `supported`
-  tells the decoders which one a cache gets, and the receipt's rollback kind says it.
+- Recurrent layers without a capturing subclass have no exact rollback here: `supported`
+  tells the decoders, which refuse such a cache (melix_mlx.rollback.unsupported_kinds).
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ class CapturingGatedDeltaNet(qwen3_5.GatedDeltaNet):
         return out
 
 
-# mlx-lm layer class -> its capturing subclass. Families whose recurrent layers are not
-# listed here keep the restore-and-replay rollback.
+# mlx-lm layer class -> its capturing subclass. A cache whose recurrent layers are not
+# listed here is refused (no exact rollback).
 CAPTURING: dict[type, type] = {qwen3_5.GatedDeltaNet: CapturingGatedDeltaNet}
 
 
@@ -128,7 +128,7 @@ def supported(model: nn.Module, cache: list[Any]) -> bool:
 
     Counts match when each recurrent cache leaf belongs to one installed layer (the
     layer order of mlx-lm's `make_cache`); any recurrent layer we cannot capture means
-    the cache must use restore-and-replay.
+    the cache has no exact rollback and is refused.
     """
     from .rollback import leaves
 

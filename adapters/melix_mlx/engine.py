@@ -129,8 +129,6 @@ class Flight:
     next_hidden: mx.array  # [B, 1, D]
     checkpoint: rollback.Checkpoint
     head_checkpoint: rollback.Checkpoint
-    armed: list[Any]
-    steps: list[Any]
 
 
 @dataclass
@@ -359,8 +357,6 @@ class CycleEngine:
             next_hidden=mx.take_along_axis(head_hidden, at, axis=1),
             checkpoint=cp,
             head_checkpoint=head_cp,
-            armed=armed,
-            steps=steps,
         )
 
     def _logprobs(self, plans: list[RowPlan], logits: mx.array, inputs: mx.array) -> mx.array:
@@ -442,8 +438,6 @@ class CycleEngine:
         self._undo(flight)
 
     def _undo(self, flight: Flight) -> None:
-        if flight.armed:
-            capture.collect(flight.armed)
         rollback.restore(self.cache, flight.checkpoint)
         rollback.restore(self.head_cache, flight.head_checkpoint)
 
