@@ -6,9 +6,11 @@ Rules of this module:
 - Reshaping never touches a surviving row: its machine, counters and payload object
   travel as they are. Rows that leave retire their counters into `retired`, so batch
   totals cover every row that was ever in the batch.
-- Every operation is atomic. Events for all rows are planned first (pure), then
-  committed; one illegal row event raises and no row changes. An event for a uid that
-  is not in the batch raises `UnknownSequence`.
+- Every lifecycle operation goes through one funnel, `apply(operation, events)`: the
+  events must be ones spec/batch.toml lists for that operation (else
+  `EventNotInOperation`), then events for all rows are planned (pure) and committed;
+  one illegal row event raises and no row changes. An event for a uid that is not in
+  the batch raises `UnknownSequence`.
 - The payload slot is opaque here: adapters keep pending drafts, head-cache rows and
   the last hidden state in it. This module never reads it.
 """
@@ -19,10 +21,13 @@ from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .counters import Counters, total
-from .errors import BatchShapeError, DuplicateSequence, UnknownSequence
+from .errors import BatchShapeError, DuplicateSequence, EventNotInOperation, UnknownSequence
 from .lifecycle import (
+    FAULT,
     FINISH,
+    REFUSE,
     RESUME,
+    SPEC,
     SUSPEND,
     TABLE,
     Event,
@@ -32,8 +37,27 @@ from .lifecycle import (
     pending_after,
     target_of,
 )
+from .spec import load_batch
 
 Uid = Hashable
+Events = Mapping[Uid, Signal | Sequence[Signal]]
+
+BATCH_SPEC = load_batch(SPEC)
+# Which lifecycle events each batch operation may carry (spec/batch.toml), enforced by `apply`.
+OPERATION_EVENTS: dict[str, frozenset[Event]] = {
+    name: frozenset(Event(e) for e in op.lifecycle_events) for name, op in BATCH_SPEC.operations.items()
+}
+
+
+def operation_for(event: Event) -> str:
+    """The batch operation that carries `event` during decoding: `step` where it lists the
+    event, otherwise the one operation that does (used to replay a generator's report)."""
+    owners = [name for name, events in OPERATION_EVENTS.items() if event in events]
+    if "step" in owners:
+        return "step"
+    if len(owners) != 1:
+        raise RuntimeError(f"spec/batch.toml: event {event.value!r} belongs to operations {owners}")
+    return owners[0]
 
 
 class Row:
@@ -168,21 +192,26 @@ class Batch:
         self.filter([i for i, row in enumerate(self._rows) if row.uid in wanted])
 
     # -- lifecycle -------------------------------------------------------------
-    def send(self, uid: Uid, signal: Signal) -> State:
-        """One event for one row."""
-        return self.row(uid).machine.send(signal)
+    def apply(self, operation: str, events: Events) -> None:
+        """The one funnel for lifecycle events: check them against `operation`'s events in
+        spec/batch.toml, plan every row, then commit every row.
 
-    def step(self, events: Mapping[Uid, Signal | Sequence[Signal]]) -> None:
-        """Apply per-row event lists atomically: plan every row, then commit every row.
-
-        Rows not named in `events` are untouched. Any error (unknown uid, illegal
-        event, bad payload) raises before a single row changes.
+        Rows not named in `events` are untouched. Any error (an event the operation does
+        not carry, an unknown uid, an illegal event, a bad payload) raises before a single
+        row changes.
         """
+        allowed = OPERATION_EVENTS.get(operation)
+        if allowed is None:
+            raise BatchShapeError(f"no batch operation {operation!r} in spec/batch.toml")
+        normalised = {uid: (s,) if isinstance(s, Signal) else tuple(s) for uid, s in events.items()}
+        for uid, signals in normalised.items():
+            for signal in signals:
+                if signal.event not in allowed:
+                    spec_order = tuple(e for e in BATCH_SPEC.operations[operation].lifecycle_events)
+                    raise EventNotInOperation(operation, uid, signal.event, spec_order)
         plans: list[tuple[SequenceMachine, list[tuple[Signal, State]]]] = []
-        for uid, signals in events.items():
+        for uid, signals in normalised.items():
             machine = self.row(uid).machine
-            if isinstance(signals, Signal):
-                signals = (signals,)
             state, pending = machine.state, machine.counters.pending
             planned = []
             for signal in signals:
@@ -194,32 +223,47 @@ class Batch:
             for signal, target in planned:
                 machine.commit(signal, target)
 
-    def _broadcast(self, signal: Signal, uids: Iterable[Uid] | None) -> list[Uid]:
+    def send(self, uid: Uid, signal: Signal) -> State:
+        """One event for one row, through the operation that carries it (`operation_for`)."""
+        self.apply(operation_for(signal.event), {uid: signal})
+        return self.row(uid).state
+
+    def step(self, events: Events) -> None:
+        """One decode step's per-row event lists (draft, verify, verified, plain_step, fault,
+        finish), atomically."""
+        self.apply("step", events)
+
+    def _broadcast(self, operation: str, signal: Signal, uids: Iterable[Uid] | None) -> list[Uid]:
         """Send `signal` to the given rows (atomic), or to every row where it is legal."""
         if uids is None:
             chosen = [row.uid for row in self._rows if (row.state, signal.event) in TABLE]
         else:
             chosen = list(dict.fromkeys(uids))  # each row once, in the order given
-        self.step({uid: signal for uid in chosen})
+        self.apply(operation, {uid: signal for uid in chosen})
         return chosen
 
     def resolve(self, decisions: Mapping[Uid, Signal]) -> None:
-        """Resolve requested rows with their admit / refuse signals (atomic)."""
-        self.step(decisions)
+        """Admit or refuse requested rows, or refuse admitted rows late (atomic)."""
+        self.apply("resolve", decisions)
+
+    def refuse(self, uids: Iterable[Uid], reason: str) -> list[Uid]:
+        """Refuse speculation for good (late refusal at a cycle boundary); returns the uids."""
+        return self._broadcast("resolve", Signal(event=REFUSE.event, reason=reason), uids)
 
     def suspend(self, uids: Iterable[Uid] | None = None, reason: str = "") -> list[Uid]:
         """Suspend the given rows, or every row at a cycle boundary; returns the uids."""
         signal = SUSPEND if not reason else Signal(event=SUSPEND.event, reason=reason)
-        return self._broadcast(signal, uids)
+        return self._broadcast("suspend", signal, uids)
 
     def resume(self, uids: Iterable[Uid] | None = None, reason: str = "") -> list[Uid]:
         """Resume the given rows, or every suspended row; returns the uids."""
         signal = RESUME if not reason else Signal(event=RESUME.event, reason=reason)
-        return self._broadcast(signal, uids)
+        return self._broadcast("resume", signal, uids)
 
     def finish(self, uids: Iterable[Uid], reason: str = "") -> list[Uid]:
         signal = FINISH if not reason else Signal(event=FINISH.event, reason=reason)
-        return self._broadcast(signal, uids)
+        return self._broadcast("finish", signal, uids)
 
     def fault(self, uids: Iterable[Uid], reason: str = "") -> list[Uid]:
-        return self._broadcast(Signal(event=Event("fault"), reason=reason), uids)
+        signal = FAULT if not reason else Signal(event=FAULT.event, reason=reason)
+        return self._broadcast("fault", signal, uids)

@@ -12,6 +12,7 @@ can catch the whole family with one clause and anything else is a bug.
         ├── InvalidEvent       the event is legal here but its payload is not
         ├── UnknownSequence    the uid is not in the batch (never was, or left)
         ├── DuplicateSequence  the uid is already in the batch
+        ├── EventNotInOperation  a batch operation got an event spec/batch.toml does not list for it
         └── BatchShapeError    a filter/extend request that would reorder or lose rows
 
 Defined beside the code that raises them, in the same tree: `PolicyError` >
@@ -107,6 +108,20 @@ class DuplicateSequence(LifecycleError):
     def __init__(self, uid: Any) -> None:
         self.uid = uid
         super().__init__(f"sequence {uid!r} is already in the batch")
+
+
+class EventNotInOperation(LifecycleError):
+    """A batch operation was given an event that spec/batch.toml does not list for it."""
+
+    def __init__(self, operation: str, sequence: Any, event: Any, allowed: tuple[str, ...]) -> None:
+        self.operation = operation
+        self.sequence = sequence
+        self.event = event
+        self.allowed = allowed
+        super().__init__(
+            f"batch operation {operation!r}: sequence {sequence!r}: event {_name(event)!r} "
+            f"is not one of its events {list(allowed)}"
+        )
 
 
 class BatchShapeError(LifecycleError):

@@ -28,9 +28,51 @@ from .spec import LifecycleSpec, load_lifecycle
 
 SPEC: LifecycleSpec = load_lifecycle()
 
-# The vocabulary, as string enums (members compare equal to their names in the spec).
-State = enum.StrEnum("State", {name: name for name in SPEC.states})  # type: ignore[misc]
-Event = enum.StrEnum("Event", {name: name for name in SPEC.events})  # type: ignore[misc]
+
+
+class State(enum.StrEnum):
+    """The lifecycle states (spec/lifecycle.toml [states]); checked against the spec at import."""
+
+    requested = "requested"
+    admitted = "admitted"
+    refused = "refused"
+    drafting = "drafting"
+    verifying = "verifying"
+    accepted = "accepted"
+    rolled_back = "rolled_back"
+    suspended = "suspended"
+    faulted = "faulted"
+    finished = "finished"
+
+
+class Event(enum.StrEnum):
+    """The lifecycle events (spec/lifecycle.toml [events]); checked against the spec at import."""
+
+    admit = "admit"
+    refuse = "refuse"
+    draft = "draft"
+    verify = "verify"
+    verified = "verified"
+    suspend = "suspend"
+    resume = "resume"
+    plain_step = "plain_step"
+    fault = "fault"
+    finish = "finish"
+
+
+def _check_vocabulary(spec: LifecycleSpec) -> None:
+    # Written out so a type checker sees every member; the spec stays the truth, so any
+    # difference (a state added in the spec, a member renamed here) fails the import.
+    for kind, members, declared in (("state", State, spec.states), ("event", Event, spec.events)):
+        ours, theirs = [m.value for m in members], list(declared)
+        if ours != theirs:
+            raise RuntimeError(
+                f"lifecycle {kind}s differ from the spec (same names, same order): "
+                f"code {ours}, spec {theirs}"
+            )
+
+
+_check_vocabulary(SPEC)
 
 INITIAL: State = State(SPEC.initial)
 FINAL_STATES: frozenset[State] = frozenset(State(n) for n in SPEC.finals)
@@ -68,9 +110,11 @@ class Guarded(NamedTuple):
 
 
 def _compile(spec: LifecycleSpec) -> dict[tuple[State, Event], State | Guarded]:
-    missing = set(g for t in spec.transitions if t.guard for g in [t.guard]) - set(GUARDS)
-    if missing:
-        raise RuntimeError(f"guards named in the spec without a meaning: {sorted(missing)}")
+    named = {t.guard for t in spec.transitions if t.guard}
+    if named - set(GUARDS):
+        raise RuntimeError(f"guards named in the spec without a meaning: {sorted(named - set(GUARDS))}")
+    if set(GUARDS) - named:
+        raise RuntimeError(f"guards with a meaning the spec never names: {sorted(set(GUARDS) - named)}")
     table: dict[tuple[State, Event], Any] = {}
     for t in spec.transitions:
         key = (State(t.source), Event(t.event))
@@ -103,7 +147,7 @@ def _check_verified(pending: int, drafts: int, accepted: int) -> str | None:
     return f"accepted must be between 0 and the {pending} pending drafts, got {accepted}"
 
 
-CHECKS: dict[Event, _Check] = {Event("draft"): _check_draft, Event("verified"): _check_verified}
+CHECKS: dict[Event, _Check] = {Event.draft: _check_draft, Event.verified: _check_verified}
 
 
 def _effect_draft(c: Counters, state: State, signal: Signal) -> None:
@@ -161,18 +205,18 @@ def _bump(counts: list[int], upto: int) -> None:
         counts[p] += 1
 
 
-_SUSPENDED = State("suspended")
+_SUSPENDED = State.suspended
 EFFECTS: dict[Event, Callable[[Counters, State, Signal], None]] = {
-    Event("admit"): _no_effect,
-    Event("refuse"): _no_effect,
-    Event("draft"): _effect_draft,
-    Event("verify"): _no_effect,
-    Event("verified"): _effect_verified,
-    Event("suspend"): _effect_suspend,
-    Event("resume"): _effect_resume,
-    Event("plain_step"): _effect_plain_step,
-    Event("fault"): _effect_fault,
-    Event("finish"): _effect_finish,
+    Event.admit: _no_effect,
+    Event.refuse: _no_effect,
+    Event.draft: _effect_draft,
+    Event.verify: _no_effect,
+    Event.verified: _effect_verified,
+    Event.suspend: _effect_suspend,
+    Event.resume: _effect_resume,
+    Event.plain_step: _effect_plain_step,
+    Event.fault: _effect_fault,
+    Event.finish: _effect_finish,
 }
 if set(EFFECTS) != set(Event):
     raise RuntimeError(f"events without an effect: {sorted(set(Event) - set(EFFECTS))}")
@@ -195,17 +239,14 @@ def target_of(sequence: Any, state: State, pending: int, signal: Signal) -> Stat
 
 
 def pending_after(pending: int, signal: Signal) -> int:
-    """How many drafts are pending after this event (used to plan event sequences)."""
-    event = signal.event
-    if event is _DRAFT:
-        return signal.drafts
-    if event in _CLEARS_PENDING:
-        return 0
-    return pending
+    """How many drafts are pending after this event (used to plan event sequences).
 
-
-_DRAFT = Event("draft")
-_CLEARS_PENDING = frozenset({Event("verified"), Event("fault"), Event("finish")})
+    Derived from the event's effect on a scratch copy of the counters, so the planner
+    and the machine can never disagree.
+    """
+    scratch = Counters(pending=pending)
+    EFFECTS[signal.event](scratch, INITIAL, signal)
+    return scratch.pending
 
 
 class SequenceMachine:
@@ -261,25 +302,25 @@ def states_allowing(event: Event) -> frozenset[State]:
 
 
 # Step-boundary predicates the decoders use, derived from the table, never re-typed:
-CYCLE_READY = states_allowing(Event("draft"))  # the next step may speculate
-STEERABLE = states_allowing(Event("suspend")) | states_allowing(Event("resume"))  # policy applies
-IN_CYCLE = states_allowing(Event("verify")) | states_allowing(Event("verified"))  # drafts pending
+CYCLE_READY = states_allowing(Event.draft)  # the next step may speculate
+STEERABLE = states_allowing(Event.suspend) | states_allowing(Event.resume)  # policy applies
+IN_CYCLE = states_allowing(Event.verify) | states_allowing(Event.verified)  # drafts pending
 
 
 # Ready-made payload-free signals for the hot path (Signal is immutable, so sharing is safe).
-ADMIT = Signal(event=Event("admit"))
-REFUSE = Signal(event=Event("refuse"))
-VERIFY = Signal(event=Event("verify"))
-SUSPEND = Signal(event=Event("suspend"))
-RESUME = Signal(event=Event("resume"))
-PLAIN_STEP = Signal(event=Event("plain_step"))
-FAULT = Signal(event=Event("fault"))
-FINISH = Signal(event=Event("finish"))
+ADMIT = Signal(event=Event.admit)
+REFUSE = Signal(event=Event.refuse)
+VERIFY = Signal(event=Event.verify)
+SUSPEND = Signal(event=Event.suspend)
+RESUME = Signal(event=Event.resume)
+PLAIN_STEP = Signal(event=Event.plain_step)
+FAULT = Signal(event=Event.fault)
+FINISH = Signal(event=Event.finish)
 
 
 def draft(k: int) -> Signal:
-    return Signal(event=_DRAFT, drafts=k)
+    return Signal(event=Event.draft, drafts=k)
 
 
 def verified(accepted: int) -> Signal:
-    return Signal(event=Event("verified"), accepted=accepted)
+    return Signal(event=Event.verified, accepted=accepted)

@@ -231,7 +231,8 @@ class MTPBatchGenerator:
         self._queue = deque(r for r in self._queue if r.uid not in wanted)
         leaving = [uid for uid in self.batch.uids if uid in wanted]
         if leaving:
-            self._apply_signals({uid: Signal(event=lc.FINISH.event, reason="removed") for uid in leaving})
+            removed = Signal(event=lc.FINISH.event, reason="removed")
+            self._apply_signals("finish", {uid: removed for uid in leaving})
             self._filter([i for i, uid in enumerate(self.batch.uids) if uid not in wanted])
         return caches
 
@@ -357,7 +358,7 @@ class MTPBatchGenerator:
             uids = [r.uid for r in rows if r.state in lc.CYCLE_READY]
             signal = Signal(event=lc.SUSPEND.event, reason=str(events[-1].reason) if events else "suspended")
         if uids:
-            self._apply_signals({uid: signal for uid in uids})
+            self._apply_signals(signal.event.value, {uid: signal for uid in uids})
 
     def next_generated(self) -> list[MTPResponse]:
         while True:
@@ -382,7 +383,7 @@ class MTPBatchGenerator:
             resolution = (
                 lc.ADMIT if row.refusal is None else Signal(event=lc.REFUSE.event, reason=row.refusal)
             )
-            self._apply_signals({request.uid: resolution}, joining)
+            self._apply_signals("resolve", {request.uid: resolution}, joining)
             self._joined.append(request.uid)
             caches.append(cache)
             head_caches.append(head_cache)
@@ -493,9 +494,10 @@ class MTPBatchGenerator:
         """Lifecycle events for the step, then emission."""
         drafted = {rows[i].uid: lc.draft(p.k) for i, p in enumerate(plans) if p.k > 0}
         if drafted:
-            self._apply_signals(drafted)
-            self._apply_signals({uid: lc.VERIFY for uid in drafted})
+            self._apply_signals("step", drafted)
+            self._apply_signals("step", {uid: lc.VERIFY for uid in drafted})
         self._apply_signals(
+            "step",
             {
                 row.uid: lc.verified(settled.accepted[i]) if plans[i].k > 0 else lc.PLAIN_STEP
                 for i, row in enumerate(rows)
@@ -517,9 +519,10 @@ class MTPBatchGenerator:
             self._finish(finished, out)
         return out
 
-    def _apply_signals(self, signals: dict[Any, Signal], batch: Batch | None = None) -> None:
-        """The one funnel for every lifecycle event: the batch (atomic), then the report."""
-        (self.batch if batch is None else batch).step(signals)
+    def _apply_signals(self, operation: str, signals: dict[Any, Signal], batch: Batch | None = None) -> None:
+        """The one funnel for every lifecycle event: the batch operation (atomic, and only
+        the events spec/batch.toml lists for it), then the report."""
+        (self.batch if batch is None else batch).apply(operation, signals)
         for uid, signal in signals.items():
             self._record(uid, signal)
 
@@ -538,10 +541,10 @@ class MTPBatchGenerator:
     def _fault_rows(self, uids: list[Any], ks: list[int], fault: SpeculativeFault) -> None:
         message = str(fault)
         if fault.drafted:  # the drafts existed: record them, then discard them with the fault
-            self._apply_signals({uid: lc.draft(k) for uid, k in zip(uids, ks)})
-            self._apply_signals({uid: lc.VERIFY for uid in uids})
+            self._apply_signals("step", {uid: lc.draft(k) for uid, k in zip(uids, ks)})
+            self._apply_signals("step", {uid: lc.VERIFY for uid in uids})
         signal = Signal(event=lc.FAULT.event, reason=message)
-        self._apply_signals({uid: signal for uid in uids})
+        self._apply_signals("fault", {uid: signal for uid in uids})
         faulted = set(uids)
         for uid in uids:
             self.batch.row(uid).payload.fault = message
@@ -555,7 +558,7 @@ class MTPBatchGenerator:
         for i, row in enumerate(self.batch):
             if row.uid in done:
                 by_uid[row.uid] = ([c.extract(i) for c in self.cache], list(row.payload.context))
-        self._apply_signals({uid: lc.FINISH for uid in uids})
+        self._apply_signals("finish", {uid: lc.FINISH for uid in uids})
         for uid in uids:
             self._retired_counters[uid] = self.batch.row(uid).counters
         self._left.extend(uids)

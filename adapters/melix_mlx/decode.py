@@ -119,10 +119,10 @@ class MTPDecoder:
         if self.machine.state is lc.INITIAL:
             reason = self.refusal or ""
             self.machine.send(lc.Signal(event=(lc.REFUSE if self.refusal else lc.ADMIT).event, reason=reason))
-        elif self.refusal and self.machine.allows(lc.SUSPEND.event):
+        elif self.refusal and self.machine.allows(lc.REFUSE.event):
             # Admitted before loading (by a receipt), refused by what only the loaded
-            # decoder knows (sampler, cache kinds): pause for good, with the reason.
-            self.machine.send(lc.Signal(event=lc.SUSPEND.event, reason=self.refusal))
+            # decoder knows (sampler, cache kinds): the spec's late refusal, for good.
+            self.machine.send(lc.Signal(event=lc.REFUSE.event, reason=self.refusal))
             self.controller = None
 
     # -- steps -----------------------------------------------------------------------

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from melix_fsm import invariants
-from melix_fsm.batch import Batch
+from melix_fsm.batch import Batch, operation_for
 from melix_fsm.errors import IllegalTransition, InvalidEvent, LifecycleError
 from melix_fsm.invariants import InvariantViolation, Snapshot
 from melix_fsm.lifecycle import Event
@@ -168,7 +168,12 @@ class ReportMirror:
         self._invariants(snap)
         events = {r.uid: list(r.events) for r in report.rows if r.events}
         try:
-            self.batch.step(events)
+            # A report mixes operations (resolution, policy, the cycle); each event goes
+            # through the batch operation that carries it, in the row's order. The first
+            # refusal ends the run, so the mirror needs no atomicity across rows here.
+            for uid, signals in events.items():
+                for signal in signals:
+                    self.batch.apply(operation_for(signal.event), {uid: signal})
         except IllegalTransition as exc:
             history = [s.event.value for s in events.get(exc.sequence, [])]
             raise ConformanceError(

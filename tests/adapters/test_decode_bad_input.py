@@ -97,6 +97,7 @@ def test_generate_default_method_decodes_plainly_and_records(bad_dirs, tiny_chec
     [result] = [json.loads(line) for line in out.out.splitlines()]
     assert result["method"] == "none" and len(result["tokens"]) == 6
     assert result["stats"]["cycles"] == 0 and reason in result["stats"]["refusal"]
+    assert result["stats"]["state"] == "refused"  # late refusal on the receipt's own machine
     recorded = result["receipt"]["refusal_reason"] or result["head_load_error"]["reason"]
     assert recorded == reason
     assert "decoding plainly" in out.err
@@ -113,3 +114,28 @@ def test_generate_default_method_decodes_plainly_and_records(bad_dirs, tiny_chec
     ]
     assert main([*argv, "--method", "none"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == result["tokens"]
+
+
+def test_late_refusal_is_the_specs_transition(loaded_heads) -> None:
+    """A receipt admitted the row; the loaded decoder refuses (a sampler whose distribution
+    it cannot verify): the machine takes the spec's `refuse` from `admitted`, for good, and
+    the row decodes plainly with the caller's sampler."""
+    from decode_refs import reference
+    from melix_fsm.lifecycle import ADMIT, SequenceMachine, State
+    from melix_mlx.decode import MTPDecoder
+
+    model, _, head, _ = loaded_heads["deepseek_v3"]
+    machine = SequenceMachine(0)
+    machine.send(ADMIT)  # what the receipt does before any weight is read
+
+    def opaque_greedy(logprobs: mx.array) -> mx.array:
+        return mx.argmax(logprobs, axis=-1)
+
+    prompt = [3, 141, 59, 26]
+    decoder = MTPDecoder(model, head, num_draft_tokens=2, sampler=opaque_greedy, machine=machine)
+    tokens = [t for t, _, _ in decoder.generate(mx.array(prompt), 8)]
+    assert tokens == reference(model, prompt, 8, sampler=opaque_greedy)
+    stats = decoder.stats
+    assert stats["state"] == State.refused and "unknown sampler" in stats["refusal"]
+    # the first token comes from the prefill, the other 7 from plain steps
+    assert stats["cycles"] == 0 and stats["plain_steps"] == 7 and stats["suspensions"] == 0

@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 
-from melix_fsm.batch import Batch, Row
+from melix_fsm.batch import OPERATION_EVENTS, Batch, Row, operation_for
 from melix_fsm.counters import Counters, total
 from melix_fsm.errors import (
     BatchShapeError,
     DuplicateSequence,
+    EventNotInOperation,
     IllegalTransition,
     InvalidEvent,
     LifecycleError,
@@ -37,9 +38,12 @@ from melix_fsm.invariants import (
 )
 from melix_fsm.lifecycle import (
     ADMIT,
+    FAULT,
     FINISH,
     PLAIN_STEP,
     REFUSE,
+    RESUME,
+    SUSPEND,
     VERIFY,
     SequenceMachine,
     State,
@@ -232,6 +236,50 @@ def test_resolve_admit_and_refuse() -> None:
     batch.resolve({"a": ADMIT, "b": REFUSE})
     assert [row.state for row in batch] == [S("admitted"), S("refused")]
     refused(batch, lambda: batch.resolve({"a": ADMIT}), IllegalTransition)
+
+
+def test_late_refusal_refuses_an_admitted_row_for_good() -> None:
+    batch = admitted_batch(list("abc"))
+    cycle(batch, "b", 2, 1)  # rolled_back: a cycle boundary
+    batch.suspend(["c"])
+    assert batch.refuse(["a", "b", "c"], "head_shape_mismatch: late") == ["a", "b", "c"]
+    assert {row.state for row in batch} == {S("refused")}
+    batch.step({"a": PLAIN_STEP})  # refused rows decode plainly
+    refused(batch, lambda: batch.step({"a": draft(1)}), IllegalTransition)
+    refused(batch, lambda: batch.resume(["a"]), IllegalTransition)
+
+
+def test_late_refusal_waits_for_the_cycle_boundary() -> None:
+    batch = admitted_batch(["a"])
+    batch.step({"a": [draft(2)]})  # drafting: drafts are pending
+    refused(batch, lambda: batch.refuse(["a"], "late"), IllegalTransition)
+
+
+# Each row: an operation, the events handed to it, and one event it does not carry.
+@pytest.mark.parametrize(
+    ("call", "event"),
+    [
+        (lambda b: b.step({"a": [draft(1), VERIFY, verified(1)], "b": SUSPEND}), "suspend"),
+        (lambda b: b.step({"a": ADMIT}), "admit"),
+        (lambda b: b.resolve({"a": draft(1)}), "draft"),
+        (lambda b: b.apply("suspend", {"a": SUSPEND, "b": RESUME}), "resume"),
+        (lambda b: b.apply("finish", {"a": FINISH, "b": FAULT}), "fault"),
+    ],
+)
+def test_operations_refuse_events_the_spec_does_not_list(call: Callable[[Batch], Any], event: str) -> None:
+    batch = admitted_batch(["a", "b"])
+    err = refused(batch, lambda: call(batch), EventNotInOperation)
+    assert err.event == event and event not in OPERATION_EVENTS[err.operation]  # type: ignore[attr-defined]
+
+
+def test_operation_events_are_the_specs() -> None:
+    assert {op: sorted(evs) for op, evs in OPERATION_EVENTS.items()} == {
+        name: sorted(op.lifecycle_events) for name, op in BATCH_SPEC.operations.items()
+    }
+    assert operation_for(draft(1).event) == "step"
+    assert operation_for(ADMIT.event) == "resolve" and operation_for(RESUME.event) == "resume"
+    with pytest.raises(BatchShapeError):
+        Batch().apply("reorder", {})
 
 
 def test_suspend_resume_broadcast() -> None:

@@ -35,6 +35,7 @@ from melix_fsm.batch import Batch
 from melix_fsm.errors import (
     BatchShapeError,
     DuplicateSequence,
+    EventNotInOperation,
     IllegalTransition,
     InvalidEvent,
     LifecycleError,
@@ -49,11 +50,12 @@ from melix_fsm.invariants import (
 )
 from melix_fsm.lifecycle import ADMIT, FINISH, REFUSE, Event, Signal, State, draft, verified
 from melix_fsm.oracle import OracleMachine, TransitionNotAllowed, oracle_send, oracle_state
+from melix_fsm.spec import load_batch, load_lifecycle
 
 MAX_ROWS = 10  # keeps the default profile quick; the deep profile goes long, not wide
-STEP_EVENTS = [Event(e) for e in ("draft", "verify", "verified", "plain_step", "fault", "finish")]
-# Legal draws in a step may also resolve a requested row, so rows get into the cycle fast.
-LEGAL_DRAWS = [Event(e) for e in ("admit", "refuse")] + STEP_EVENTS
+# What each batch operation may carry, read from the spec (the model's own copy of the rule).
+OPERATIONS = {name: set(op.lifecycle_events) for name, op in load_batch(load_lifecycle()).operations.items()}
+STEP_EVENTS = [e for e in Event if e in OPERATIONS["step"]]
 ENDINGS = frozenset({Event("fault"), Event("finish")})  # drawn rarely: they end the cycle
 
 
@@ -98,8 +100,14 @@ def probe(row: ShadowRow) -> ShadowRow:
 ILLEGAL, INVALID, UNKNOWN = IllegalTransition, InvalidEvent, UnknownSequence
 
 
-def predict(shadow: dict[Any, ShadowRow], events: dict[Any, list[Signal]]) -> type[LifecycleError] | None:
-    """The error the batch must raise for `events` (first refusal in order), or None."""
+def predict(
+    shadow: dict[Any, ShadowRow], events: dict[Any, list[Signal]], operation: str
+) -> type[LifecycleError] | None:
+    """The error the batch must raise for `events` under `operation`, or None.
+
+    An event the operation does not carry is refused first, whatever the rows."""
+    if any(s.event not in OPERATIONS[operation] for signals in events.values() for s in signals):
+        return EventNotInOperation
     for uid, signals in events.items():
         if uid not in shadow:
             return UNKNOWN
@@ -115,12 +123,13 @@ def predict(shadow: dict[Any, ShadowRow], events: dict[Any, list[Signal]]) -> ty
 
 
 def draw_signal(data: st.DataObject, row: ShadowRow, wild: bool) -> Signal:
-    """One step event for `row`: from what its oracle allows, or (wild) anything at all."""
-    allowed = [e for e in LEGAL_DRAWS if row.allows(e)]
+    """One step event for `row`: from what its oracle allows, or (wild) anything at all,
+    including events the step operation does not carry."""
+    allowed = [e for e in STEP_EVENTS if row.allows(e)]
     lasting = [e for e in allowed if e not in ENDINGS]
     if lasting and data.draw(st.integers(0, 9), label="ending?") > 0:
         allowed = lasting
-    event = data.draw(st.sampled_from(STEP_EVENTS if wild or not allowed else allowed))
+    event = data.draw(st.sampled_from(list(Event) if wild or not allowed else allowed))
     if event == "draft":
         return draft(data.draw(st.integers(-1 if wild else 1, 3)))
     if event == "verified":
@@ -163,8 +172,8 @@ class BatchLifecycle(RuleBasedStateMachine):
             for signal in signals:
                 apply(self.shadow[uid], signal, uid)
 
-    def run_step(self, events: dict[Any, list[Signal]], op: Any) -> None:
-        error = predict(self.shadow, events)
+    def run_step(self, events: dict[Any, list[Signal]], op: Any, operation: str) -> None:
+        error = predict(self.shadow, events, operation)
         if error is None:
             op()
             self.commit(events)
@@ -251,18 +260,23 @@ class BatchLifecycle(RuleBasedStateMachine):
                     apply(row, signal)
                 except (TransitionNotAllowed, InvalidEvent):
                     break
+                if signal.event not in OPERATIONS["step"]:
+                    break
             events[uid] = signals
         if stale not in self.shadow and data.draw(st.integers(0, 4)) == 0:
             events[stale] = [FINISH]  # a uid that left the batch
-        self.run_step(events, lambda: self.batch.step(events))
+        self.run_step(events, lambda: self.batch.step(events), "step")
 
     @rule(data=st.data())
     def resolve(self, data: st.DataObject) -> None:
-        wrong = data.draw(st.integers(0, 9)) == 0  # now and then, resolve a resolved row
-        uids = self.pick_rows(data, None if wrong else lambda r: r.state == State("requested"))
-        decisions = {uid: data.draw(st.sampled_from([ADMIT, ADMIT, ADMIT, REFUSE])) for uid in uids}
+        # now and then resolve a resolved row (a late refusal where the table allows it),
+        # or hand resolve an event it does not carry
+        wrong = data.draw(st.integers(0, 9)) == 0
+        uids = self.pick_rows(data, None if wrong else lambda r: r.state == State.requested)
+        choices = [ADMIT, ADMIT, ADMIT, REFUSE] + ([draft(1), FINISH] if wrong else [])
+        decisions = {uid: data.draw(st.sampled_from(choices)) for uid in uids}
         events = {uid: [signal] for uid, signal in decisions.items()}
-        self.run_step(events, lambda: self.batch.resolve(decisions))
+        self.run_step(events, lambda: self.batch.resolve(decisions), "resolve")
 
     @rule(data=st.data(), event=st.sampled_from(["suspend", "resume"]), everyone=st.booleans())
     def suspend_or_resume(self, data: st.DataObject, event: str, everyone: bool) -> None:
@@ -274,13 +288,13 @@ class BatchLifecycle(RuleBasedStateMachine):
             self.commit({uid: [signal] for uid in expected})
             return
         uids = self.pick_rows(data)
-        self.run_step({uid: [signal] for uid in uids}, lambda: op(uids))
+        self.run_step({uid: [signal] for uid in uids}, lambda: op(uids), event)
 
     @rule(data=st.data(), event=st.sampled_from(["finish", "fault"]))
     def finish_or_fault(self, data: st.DataObject, event: str) -> None:
         uids = self.pick_rows(data)
         op = self.batch.finish if event == "finish" else self.batch.fault
-        self.run_step({uid: [Signal(event=Event(event))] for uid in uids}, lambda: op(uids, "test"))
+        self.run_step({uid: [Signal(event=Event(event))] for uid in uids}, lambda: op(uids, "test"), event)
 
     @rule(uid=uids)
     def event_for_any_uid(self, uid: Any) -> None:

@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
 
     from melix_fsm.config import Method, Source, speculative_config
     from melix_fsm.errors import ConfigError
-    from melix_fsm.lifecycle import SequenceMachine
+    from melix_fsm.lifecycle import Event, SequenceMachine, Signal
     from melix_fsm.reasons import RefusalReason
     from melix_fsm.receipt import Mode, receipt_json, resolve
 
@@ -205,8 +205,8 @@ def run(args: argparse.Namespace) -> int:
                     return _fail(f"{exc.reason}: {exc}", EXIT_REFUSED)
                 refusal = f"{exc.reason}: {exc}"
                 print(f"{PROG}: note: MTP head refused ({refusal}); decoding plainly", file=sys.stderr)
-                # the receipt admitted this start; the refusal comes later on a fresh machine
-                machine = SequenceMachine(0)
+                # the receipt admitted this start: the spec's late refusal, on the same machine
+                machine.send(Signal(event=Event.refuse, reason=refusal))
                 model, tokenizer = _load_plain(model_dir)
         else:
             model, tokenizer = _load_plain(model_dir)
