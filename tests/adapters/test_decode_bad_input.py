@@ -121,8 +121,9 @@ def test_late_refusal_is_the_specs_transition(loaded_heads) -> None:
     it cannot verify): the machine takes the spec's `refuse` from `admitted`, for good, and
     the row decodes plainly with the caller's sampler."""
     from decode_refs import reference
-    from melix_fsm.lifecycle import ADMIT, SequenceMachine, State
     from melix_mlx.decode import MTPDecoder
+
+    from melix_fsm.lifecycle import ADMIT, SequenceMachine, State
 
     model, _, head, _ = loaded_heads["deepseek_v3"]
     machine = SequenceMachine(0)
