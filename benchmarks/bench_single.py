@@ -14,7 +14,7 @@ Rules of this script:
   tokens after the prefill's first; the baseline's is 1.
 - The BLAS regime is reported: `LD_PRELOAD` naming OpenBLAS means the bandwidth-bound
   regime (multi-token forwards ~ as cheap as one), else the wheel's reference BLAS
-  (compute-bound). DESIGN.md explains why both verdicts matter.
+  (compute-bound). BENCHMARKS.md explains why both verdicts matter.
 - Output: a table on stderr and one JSON object on stdout.
 
 Usage: python benchmarks/bench_single.py [--tokens 64] [--reps 5] [--families ...] [--hidden H --layers L]

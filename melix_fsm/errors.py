@@ -17,9 +17,10 @@ can catch the whole family with one clause and anything else is a bug.
 
 Defined beside the code that raises them, in the same tree: `PolicyError` >
 `CalibrationError(reason)` (melix_fsm.policy_errors), `InvariantViolation`
-(melix_fsm.invariants), `InvalidReport` (melix_fsm.report), and in the mlx glue
-`HeadLoadError(reason)` > `MissingHeadWeights` / `HeadShapeMismatch` / `UnsupportedModel`
-(melix_mlx.errors).
+(melix_fsm.invariants), `InvalidReport` (melix_fsm.report), `ConformanceError(prop)`
+(melix_fsm.testing; also an AssertionError so test runners report it as a failure), and
+in the mlx glue `HeadLoadError(reason: RefusalReason)` > `MissingHeadWeights` /
+`HeadShapeMismatch` / `UnsupportedModel` (melix_mlx.errors).
 
 State on error (as h11 does it): a refused event leaves the machine, and a refused
 batch operation leaves every row, exactly as it was.

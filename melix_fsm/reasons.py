@@ -17,6 +17,7 @@ class RefusalReason(enum.StrEnum):
     """Why speculation was not admitted."""
 
     missing_head_weights = "missing_head_weights"  # config advertises heads the weights lack
+    head_shape_mismatch = "head_shape_mismatch"  # a head tensor's shape fits another model
     unsupported_model = "unsupported_model"  # family has no head we run (or no head at all)
     unvalidated_family = "unvalidated_family"  # borrowed head layout not yet validated
     unvalidated_sidecar = "unvalidated_sidecar"  # assistant / MTP-only checkpoint offered

@@ -3,7 +3,7 @@
 Rules of this module:
 - A prior is only a starting guess, recorded in the receipt next to the measurement that
   overrides it. The same machine can be compute-bound with one BLAS and bandwidth-bound
-  with another (shared/DESIGN.md, "Performance facts"), so nothing here decides alone.
+  with another (BENCHMARKS.md reports both regimes on one CPU), so nothing here decides alone.
 - Everything that touches the system goes through an injected reader: `sysctl` (the
   Apple chip name) and `maps` (the text of /proc/self/maps). The default readers are the
   only code that shells out or opens files; tests always inject fakes.

@@ -9,7 +9,7 @@ Rules of this module:
 - Caches are prefilled with a short prompt first (and the head's cache primed from its
   (hidden, next token) pairs), so attention runs over a realistic, non-empty cache.
 - Calibrate before serving, never beside a running prefill: samples taken while another
-  forward competes poison the measured policy (shared/DESIGN.md, "Field lessons").
+  forward competes poison the measured policy (seen in the field: a verdict that flips).
 - Under mx.distributed every rank runs the same forwards (tensor-parallel collectives
   need all ranks), then `agree` replaces every rank's figures by rank 0's, so all ranks
   take the same on/off decision and verify shapes never diverge.

@@ -1,8 +1,8 @@
 """Typed errors raised while finding and loading MTP head weights.
 
 Rules:
-- Every failure to produce a usable head is a ``HeadLoadError`` subclass carrying a
-  machine-readable ``reason`` (one of ``REASONS``), so callers can put it in a receipt.
+- Every failure to produce a usable head is a ``HeadLoadError`` subclass carrying its
+  ``reason``, a ``RefusalReason`` (melix_fsm.reasons), so callers put it in a receipt as is.
 - These are raised before any decoding starts; nothing falls back silently.
 - They belong to the package's one error tree (melix_fsm.errors.MelixError).
 """
@@ -10,14 +10,13 @@ Rules:
 from __future__ import annotations
 
 from melix_fsm.errors import MelixError
-
-REASONS = ("missing_head_weights", "head_shape_mismatch", "unsupported_model")
+from melix_fsm.reasons import RefusalReason
 
 
 class HeadLoadError(MelixError):
     """Base class: the checkpoint cannot give a usable MTP head."""
 
-    reason: str = "unsupported_model"
+    reason: RefusalReason = RefusalReason.unsupported_model
 
     def __init__(self, message: str, *, details: dict | None = None) -> None:
         super().__init__(message)
@@ -27,16 +26,16 @@ class HeadLoadError(MelixError):
 class MissingHeadWeights(HeadLoadError):
     """The config advertises an MTP head but (some of) its tensors are absent."""
 
-    reason = "missing_head_weights"
+    reason = RefusalReason.missing_head_weights
 
 
 class HeadShapeMismatch(HeadLoadError):
     """A head tensor has the wrong shape (corrupt file, or a head for another model)."""
 
-    reason = "head_shape_mismatch"
+    reason = RefusalReason.head_shape_mismatch
 
 
 class UnsupportedModel(HeadLoadError):
     """The model family (or its config) is not one this package knows how to head."""
 
-    reason = "unsupported_model"
+    reason = RefusalReason.unsupported_model

@@ -23,7 +23,7 @@ from typing import Any
 
 from melix_fsm import invariants
 from melix_fsm.batch import Batch, operation_for
-from melix_fsm.errors import IllegalTransition, InvalidEvent, LifecycleError
+from melix_fsm.errors import IllegalTransition, InvalidEvent, LifecycleError, MelixError
 from melix_fsm.invariants import InvariantViolation, Snapshot
 from melix_fsm.lifecycle import Event
 from melix_fsm.report import InvalidReport, StepReport, validate_report
@@ -57,7 +57,7 @@ _PLAIN = Event("plain_step")
 _FINISH = Event("finish")
 
 
-class ConformanceError(AssertionError):
+class ConformanceError(MelixError, AssertionError):
     """A conformance property failed. `prop` names it (a key of PROPERTIES), `uid` the row.
 
     `schedule` (set by the driver) holds the operations performed so far as plain dicts,

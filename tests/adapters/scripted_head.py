@@ -13,7 +13,7 @@ Rules:
   next-next token up in its table. A
   decoder that forgets to prime or catch up, or rolls the head cache back wrongly, sees
   its acceptance collapse.
-- Slot convention (DESIGN.md): pair i feeds token t_{i+1} and predicts t_{i+2}; the
+- Slot convention (docs/engine.md, head pairs): pair i feeds token t_{i+1} and predicts t_{i+2}; the
   cache thus holds t_1, t_2, ... and the prediction after context ``c`` is the token
   that follows ``c`` in a script with its first token removed. The table maps every
   prefix of ``script[1:]`` to its next token; an unknown prefix predicts token 0.

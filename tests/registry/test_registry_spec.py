@@ -1,4 +1,4 @@
-"""The registry spec files load, cover what DESIGN.md names, and refuse malformed entries.
+"""The registry spec files load, cover the families the project runs, and refuse malformed entries.
 
 Each malformed case edits a deep copy of the real parsed spec so it breaks one rule.
 """
