@@ -16,7 +16,7 @@ can catch the whole family with one clause and anything else is a bug.
         └── BatchShapeError    a filter/extend request that would reorder or lose rows
 
 Defined beside the code that raises them, in the same tree: `PolicyError` >
-`CalibrationError(reason)` (melix_fsm.policy_errors), `InvariantViolation`
+`CalibrationError(reason)` (melix_fsm.policy.errors), `InvariantViolation`
 (melix_fsm.invariants), `InvalidReport` (melix_fsm.report), `ConformanceError(prop)`
 (melix_fsm.testing; also an AssertionError so test runners report it as a failure), and
 in the mlx glue `HeadLoadError(reason: RefusalReason)` > `MissingHeadWeights` /

@@ -11,7 +11,7 @@ Rules of this module:
   `SequenceMachine` from `requested` with ADMIT or REFUSE and records the state it reached.
 - Nothing falls back silently: when speculation does not run, `refusal_reason` says why
   (method none and device policy force_off are `operator_disabled`, mode `legacy_only`).
-- The hardware gate belongs to the device policy (melix_fsm.policy). `resolve` runs before
+- The hardware gate belongs to the device policy (melix_fsm.policy.decision). `resolve` runs before
   any weight is loaded, so its receipt says `not_evaluated`; once the model is loaded and
   measured, `with_hardware` returns the same receipt with the gate, the measured figures
   and, when the gate disables speculation, the typed refusal `device_policy_disabled`.
@@ -38,10 +38,10 @@ from .checkpoint import (
     tokenizer_vocab,
 )
 from .config import AUTO_DEPTH, DevicePolicy, Method, Sources, SpeculativeConfig
-from .depth_policy import AUTO_MAX_DEPTH, DepthDecision
 from .errors import CheckpointError
 from .lifecycle import ADMIT, Event, SequenceMachine, Signal
-from .policy import HardwareDecision
+from .policy.decision import HardwareDecision
+from .policy.depth import AUTO_MAX_DEPTH, DepthDecision
 from .reasons import RefusalReason
 from .registry import Chain, Concat, Family, NormRepair, Registry, Support, registry
 from .spec import spec_dir

@@ -5,7 +5,7 @@ Rules of this module:
   a prefill would poison the decision). Under `auto` it calibrates at the batch size
   that will be served (at the deepest depth `num_draft_tokens = "auto"` may choose);
   `force_on` / `force_off` skip the measurement and are recorded as operator overrides.
-- Every start gets a `LiveController` (melix_fsm.live_policy), and the decoders consult it
+- Every start gets a `LiveController` (melix_fsm.policy.controller), and the decoders consult it
   every step. The calibration is only its prior: the gate in the receipt is the first
   decision, then the controller compares measured speculative and plain tokens/s live.
 - Fail closed, consistently: a calibration that fails (or never ran) under `auto` gives a
@@ -29,18 +29,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from melix_fsm.config import AUTO_DEPTH, SpeculativeConfig
-from melix_fsm.live_policy import Decision, LiveConfig, LiveController
-from melix_fsm.policy import (
-    CycleForwards,
-    HardwareDecision,
-    Policy,
-    TimingTable,
-    acceptance_prior,
-    decide,
-    replay_rate,
-)
+from melix_fsm.policy.controller import Decision, LiveConfig, LiveController
+from melix_fsm.policy.cost_model import CycleForwards, TimingTable, acceptance_prior, replay_rate
+from melix_fsm.policy.decision import HardwareDecision, Policy, decide
+from melix_fsm.policy.telemetry import detect
 from melix_fsm.receipt import Receipt, with_hardware
-from melix_fsm.telemetry import detect
 
 from .calibrate import calibrate, device_kind, model_dtype
 

@@ -22,9 +22,9 @@ Rules of this module:
   fault and finish is applied to the Batch; `last_report` (melix_fsm.report.StepReport)
   holds what each row went through in the latest `next()`: the event-reporting contract
   the conformance kit checks.
-- Device policy: an optional `ActivationController` (melix_fsm.policy) is fed every step's
-  batch size and verify outcomes; its suspend / resume actions become lifecycle events
-  for every row at a cycle boundary. Without one, speculation stays on.
+- Device policy: an optional `LiveController` (melix_fsm.policy.controller) is fed every
+  step's batch size, verify outcomes and seconds; its verdict becomes suspend / resume
+  lifecycle events for every row at a cycle boundary. Without one, speculation stays on.
 - Faults: an exception in the head or verify forward faults the rows that were
   speculating; caches are restored and they continue as plain decode. No token is lost.
 """
@@ -53,7 +53,7 @@ from mlx_lm.sample_utils import greedy_sampler
 from melix_fsm import lifecycle as lc
 from melix_fsm.batch import Batch, Row
 from melix_fsm.lifecycle import Signal, State
-from melix_fsm.policy import ActivationController
+from melix_fsm.policy.controller import LiveController
 from melix_fsm.report import RowReport, StepReport
 
 from . import ragged_kv, rollback
@@ -82,7 +82,7 @@ class MTPBatchGenerator:
         max_kv_size: int | None = None,
         stream: Any = None,
         refusal: str | None = None,
-        controller: ActivationController | None = None,
+        controller: LiveController | None = None,
     ) -> None:
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")

@@ -43,15 +43,10 @@ import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, stream_generate
 from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
 
-from melix_fsm.live_policy import LiveController
-from melix_fsm.policy import (
-    Policy,
-    TimingTable,
-    acceptance_prior,
-    decide,
-    expected_tokens_from_positions,
-)
-from melix_fsm.telemetry import loaded_blas, read_proc_maps
+from melix_fsm.policy.controller import LiveController
+from melix_fsm.policy.cost_model import TimingTable, acceptance_prior, expected_tokens_from_positions
+from melix_fsm.policy.decision import Policy, decide
+from melix_fsm.policy.telemetry import loaded_blas, read_proc_maps
 
 from .batch_generator import MTPBatchGenerator
 from .calibrate import calibrate, device_kind, model_dtype

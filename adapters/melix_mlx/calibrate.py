@@ -1,4 +1,4 @@
-"""Timed forwards of a loaded model and its MTP head, for melix_fsm.calibration.
+"""Timed forwards of a loaded model and its MTP head, for melix_fsm.policy.calibration.
 
 Rules of this module:
 - Each timed callable runs exactly one forward of the shape the decode loop runs at batch
@@ -26,9 +26,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from melix_fsm.calibration import DEFAULT_BUDGET_S, DEFAULT_RUNS, DEFAULT_WARMUP, measure
-from melix_fsm.policy import Timings, TimingTable
-from melix_fsm.policy_errors import CalibrationError
+from melix_fsm.policy.calibration import DEFAULT_BUDGET_S, DEFAULT_RUNS, DEFAULT_WARMUP, measure
+from melix_fsm.policy.cost_model import Timings, TimingTable
+from melix_fsm.policy.errors import CalibrationError
 
 from . import absorbed_mla, capture, rollback
 from .hidden import forward_with_hidden

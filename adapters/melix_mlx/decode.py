@@ -92,7 +92,7 @@ class MTPDecoder:
         self.machine = machine if machine is not None else SequenceMachine(uid=0)
         self.fault_message: str | None = None
         self.refusal = refusal or self._refusal_reason()
-        self.controller = controller  # melix_fsm.live_policy.LiveController, or None: always on
+        self.controller = controller  # melix_fsm.policy.controller.LiveController, or None: always on
         self._context: list[int] = []  # prompt and every yielded token (only for logits processors)
         self._last_step_end: float | None = None
 

@@ -173,7 +173,7 @@ def mtp_stream_generate(
 
     `machine` is the sequence's lifecycle machine when the caller already resolved it
     (e.g. from a receipt); `refusal` forces plain decode and records the reason;
-    `controller` (melix_fsm.live_policy.LiveController) suspends and resumes speculation;
+    `controller` (melix_fsm.policy.controller.LiveController) suspends and resumes speculation;
     `clock` (melix_mlx.engine.CycleClock) collects where each cycle's time goes.
     """
     if max_tokens == 0:

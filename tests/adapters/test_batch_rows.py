@@ -23,7 +23,7 @@ from scripted_head import ScriptedHead  # tests/adapters is on sys.path (rootdir
 
 from melix_fsm import invariants
 from melix_fsm.lifecycle import Event, State
-from melix_fsm.policy import Action
+from melix_fsm.policy.controller import Action
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [100, 3, 8], [7, 8, 9, 10, 11, 12, 13, 14]]
 MAX_TOKENS = 24
@@ -201,8 +201,8 @@ def test_plain_steps_run_ahead_through_removal_and_joins(loaded_heads):
     """Plain steps launched ahead (as mlx-lm's generator does) survive remove, insert and
     prompt-cache extraction: tokens stay mlx-lm's, an extracted cache holds exactly the
     tokens it is returned with."""
-    from melix_fsm.live_policy import LiveController
-    from melix_fsm.policy import Policy
+    from melix_fsm.policy.controller import LiveController
+    from melix_fsm.policy.decision import Policy
 
     model, _, head, _ = loaded_heads["qwen3_5"]
     off = LiveController(None, policy=Policy.force_off)

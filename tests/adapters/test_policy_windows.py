@@ -18,9 +18,9 @@ from melix_mlx.batch_generator import MTPBatchGenerator
 from melix_mlx.decode import MTPDecoder
 from mlx_lm.generate import generate_step
 
-from melix_fsm.live_policy import LiveController
-from melix_fsm.policy import Policy
-from melix_fsm.policy_errors import CalibrationError
+from melix_fsm.policy.controller import LiveController
+from melix_fsm.policy.decision import Policy
+from melix_fsm.policy.errors import CalibrationError
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [100, 3, 8]]
 N = 16

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from melix_fsm.policy import AcceptancePrior, Timings
+from melix_fsm.policy.cost_model import AcceptancePrior, Timings
 
 # Reference-BLAS float32: a 2-token forward costs 1.8x one token.
 COMPUTE_BOUND = Timings(t_1=1.0, t_verify=1.8, t_head=0.1, k=1, batch_size=1)

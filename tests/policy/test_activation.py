@@ -14,8 +14,9 @@ pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
 from melix_fsm.config import speculative_config  # noqa: E402
-from melix_fsm.policy import Reason, Timings, TimingTable  # noqa: E402
-from melix_fsm.policy_errors import CalibrationError  # noqa: E402
+from melix_fsm.policy.cost_model import Timings, TimingTable
+from melix_fsm.policy.decision import Reason
+from melix_fsm.policy.errors import CalibrationError
 from melix_fsm.reasons import RefusalReason  # noqa: E402
 from melix_fsm.receipt import HardwareGate, Mode, resolve  # noqa: E402
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from melix_fsm.calibration import measure, relative_mad, try_measure
 from melix_fsm.errors import MelixError
-from melix_fsm.policy import Gate, Reason, decide
-from melix_fsm.policy_errors import CalibrationError, PolicyError
+from melix_fsm.policy.calibration import measure, relative_mad, try_measure
+from melix_fsm.policy.decision import Gate, Reason, decide
+from melix_fsm.policy.errors import CalibrationError, PolicyError
 
 from .conftest import PRIOR, FakeClock
 

@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from melix_fsm.policy import CycleForwards, Timings, TimingTable, decide, replay_rate
-from melix_fsm.policy_errors import PolicyError
+from melix_fsm.policy.cost_model import CycleForwards, Timings, TimingTable, replay_rate
+from melix_fsm.policy.decision import decide
+from melix_fsm.policy.errors import PolicyError
 
 from .conftest import BANDWIDTH_BOUND, PRIOR
 

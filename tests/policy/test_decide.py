@@ -10,23 +10,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from melix_fsm.errors import MelixError
-from melix_fsm.policy import (
+from melix_fsm.policy.cost_model import (
     FAMILY_PRIORS,
     GENERIC_PRIOR,
-    Gate,
-    HardwareDecision,
-    Policy,
-    Reason,
     Timings,
     acceptance_prior,
     acceptance_rate_of,
-    decide,
     expected_tokens,
     expected_tokens_from_positions,
     predicted_speedup,
 )
-from melix_fsm.policy_errors import CalibrationError, PolicyError
-from melix_fsm.telemetry import Regime
+from melix_fsm.policy.decision import Gate, HardwareDecision, Policy, Reason, decide
+from melix_fsm.policy.errors import CalibrationError, PolicyError
+from melix_fsm.policy.telemetry import Regime
 
 from .conftest import BANDWIDTH_BOUND, COMPUTE_BOUND, PRIOR
 

@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from melix_fsm.depth_policy import DepthChooser, DepthConfig, DepthReason, model_choice
-from melix_fsm.live_policy import LiveController
-from melix_fsm.policy import AcceptancePrior, Timings
-from melix_fsm.policy_errors import PolicyError
-from melix_fsm.throughput import PositionAcceptance
+from melix_fsm.policy.controller import LiveController
+from melix_fsm.policy.cost_model import AcceptancePrior, Timings
+from melix_fsm.policy.depth import DepthChooser, DepthConfig, DepthReason, model_choice
+from melix_fsm.policy.errors import PolicyError
+from melix_fsm.policy.throughput import PositionAcceptance
 
 from .conftest import BANDWIDTH_BOUND, COMPUTE_BOUND, PRIOR
 from .world import World, run

@@ -15,8 +15,8 @@ pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
 from melix_fsm.cli import main  # noqa: E402
-from melix_fsm.policy import TimingTable  # noqa: E402
-from melix_fsm.policy_errors import CalibrationError  # noqa: E402
+from melix_fsm.policy.cost_model import TimingTable
+from melix_fsm.policy.errors import CalibrationError
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from melix_fsm.telemetry import Regime, apple_prior, detect, linux_cpu_prior, loaded_blas
+from melix_fsm.policy.telemetry import Regime, apple_prior, detect, linux_cpu_prior, loaded_blas
 
 
 def _no_shell():

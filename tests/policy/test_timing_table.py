@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from melix_fsm.policy import Timings, TimingTable
-from melix_fsm.policy_errors import PolicyError
+from melix_fsm.policy.cost_model import Timings, TimingTable
+from melix_fsm.policy.errors import PolicyError
 
 from .conftest import BANDWIDTH_BOUND
 

@@ -11,8 +11,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from melix_fsm.live_policy import LiveController
-from melix_fsm.policy import Action
+from melix_fsm.policy.controller import Action, LiveController
 
 
 @dataclass

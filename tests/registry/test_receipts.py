@@ -163,7 +163,7 @@ def test_two_advertised_heads_with_one_present(fakes: Fakes) -> None:
 
 
 def test_auto_depth_resolves_to_a_bounded_range(fakes: Fakes) -> None:
-    from melix_fsm.depth_policy import AUTO_MAX_DEPTH
+    from melix_fsm.policy.depth import AUTO_MAX_DEPTH
 
     r = resolve(fakes.make("mimo"), speculative_config(num_draft_tokens="auto"))
     assert r.mode is Mode.accepted and r.num_draft_tokens == "auto"

@@ -20,9 +20,9 @@ import argparse
 import sys
 from typing import Any
 
-from melix_fsm.calibration import DEFAULT_BUDGET_S, DEFAULT_MAX_SPREAD, DEFAULT_RUNS, DEFAULT_WARMUP
 from melix_fsm.cli import EXIT_OK, EXIT_REFUSED, EXIT_USAGE
-from melix_fsm.policy import DEFAULT_MARGIN, Policy
+from melix_fsm.policy.calibration import DEFAULT_BUDGET_S, DEFAULT_MAX_SPREAD, DEFAULT_RUNS, DEFAULT_WARMUP
+from melix_fsm.policy.decision import DEFAULT_MARGIN, Policy
 
 
 def register(subparsers: Any) -> None:
@@ -78,10 +78,11 @@ def run(args: argparse.Namespace) -> int:
 
     import msgspec
 
-    from melix_fsm.calibration import measure
-    from melix_fsm.policy import CycleForwards, TimingTable, acceptance_prior, decide, replay_rate
-    from melix_fsm.policy_errors import CalibrationError
-    from melix_fsm.telemetry import detect
+    from melix_fsm.policy.calibration import measure
+    from melix_fsm.policy.cost_model import CycleForwards, TimingTable, acceptance_prior, replay_rate
+    from melix_fsm.policy.decision import decide
+    from melix_fsm.policy.errors import CalibrationError
+    from melix_fsm.policy.telemetry import detect
 
     from ..activation import replays_on_reject
     from ..calibrate import build_forwards, device_kind, model_dtype
@@ -159,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(args, family, dtype, hardware, prior, k, results, decisions) -> None:
-    from melix_fsm.policy import Timings, expected_tokens
+    from melix_fsm.policy.cost_model import Timings, expected_tokens
 
     ratio = f"{hardware.cost_ratio_2:g}" if hardware.cost_ratio_2 is not None else "?"
     blas = f", blas {hardware.blas}" if hardware.blas else ""

@@ -14,7 +14,7 @@ Rules of this module:
 - Without timed samples (callers that pass no seconds) the cost model picks the depth:
   E[tokens](k) / cycle_cost(k) from the measured per-position acceptance, ties to the
   smaller k.
-- Nothing here reads a clock; the caller (melix_fsm.live_policy) feeds normalised
+- Nothing here reads a clock; the caller (melix_fsm.policy.controller) feeds normalised
   throughput samples and calls `advance` once per speculative step.
 """
 
@@ -27,7 +27,7 @@ from typing import Literal
 
 import msgspec
 
-from .policy_errors import PolicyError
+from .errors import PolicyError
 from .throughput import PositionAcceptance, Rate
 
 AUTO_MAX_DEPTH = 4  # deeper chains rarely pay (acceptance decays geometrically per position)

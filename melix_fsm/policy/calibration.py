@@ -12,7 +12,7 @@ Rules of this module:
   `budget_s` -> measurement_timeout (checked between forwards: one hung forward is not
   interrupted); samples too spread out to trust (relative median absolute deviation above
   `max_spread`, e.g. a prefill competed for the device) -> measurement_poisoned.
-- Measure on rank 0 only under mx.distributed and broadcast the result (melix_fsm.policy).
+- Measure on rank 0 only under mx.distributed and broadcast the result (melix_fsm.policy.decision).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import statistics
 import time
 from collections.abc import Callable
 
-from .policy import Timings
-from .policy_errors import CalibrationError, PolicyError
+from .cost_model import Timings
+from .errors import CalibrationError, PolicyError
 
 Forward = Callable[[], object]
 

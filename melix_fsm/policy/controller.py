@@ -6,10 +6,10 @@ Rules of this module:
   ranks fed the same numbers decide the same, and tests drive it with synthetic timings.
 - Measured, not predicted. Speculative steps measure tokens/s at the running depth;
   plain steps measure plain tokens/s, both over forgetting windows
-  (melix_fsm.throughput). While speculating, a short PLAIN probe now and then measures
+  (melix_fsm.policy.throughput). While speculating, a short PLAIN probe now and then measures
   the plain side on the live workload; while suspended, a short SPECULATIVE probe
   measures the other side. Switches need both sides measured; the calibrated cost model
-  (melix_fsm.policy) is only the prior: it takes the first on/off decision and picks the
+  (melix_fsm.policy.cost_model) is only the prior: it takes the first on/off decision and picks the
   first depth, and it decides alone only for callers that pass no seconds.
 - Samples are comparable across batch sizes: each step's tokens are weighted by
   t_1(B) / B from the calibration (1 / B without one), so a plain step that runs exactly
@@ -36,7 +36,16 @@ from typing import Literal
 
 import msgspec
 
-from .depth_policy import (
+from .cost_model import (
+    GENERIC_PRIOR,
+    AcceptancePrior,
+    CycleForwards,
+    Timings,
+    TimingTable,
+    acceptance_rate_of,
+)
+from .decision import DEFAULT_MARGIN, Policy
+from .depth import (
     AUTO_MAX_DEPTH,
     DepthChooser,
     DepthConfig,
@@ -45,19 +54,16 @@ from .depth_policy import (
     DepthReason,
     model_choice,
 )
-from .policy import (
-    DEFAULT_MARGIN,
-    GENERIC_PRIOR,
-    AcceptancePrior,
-    Action,
-    CycleForwards,
-    Policy,
-    Timings,
-    TimingTable,
-    acceptance_rate_of,
-)
-from .policy_errors import CalibrationError, PolicyError
+from .errors import CalibrationError, PolicyError
 from .throughput import PositionAcceptance, Rate
+
+
+class Action(enum.StrEnum):
+    """What the caller does at the next cycle boundary (as lifecycle suspend / resume events)."""
+
+    keep = "keep"
+    suspend = "suspend"
+    resume = "resume"
 
 
 class LiveReason(enum.StrEnum):

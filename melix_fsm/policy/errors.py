@@ -4,16 +4,16 @@ Rules of this module:
 - Both classes derive from `melix_fsm.errors.MelixError` (that module is owned elsewhere;
   this one only subclasses its root), so one `except MelixError` still catches them.
 - A `CalibrationError` always carries a machine-readable `reason`, one of
-  `MEASUREMENT_REASONS`; `melix_fsm.policy.decide` turns it into a fail-closed decision
+  `MEASUREMENT_REASONS`; `melix_fsm.policy.decision.decide` turns it into a fail-closed decision
   whose receipt reason is that same string. Nothing falls back to a guess silently.
 - No mlx, no clock, no I/O here.
 """
 
 from __future__ import annotations
 
-from .errors import MelixError
+from ..errors import MelixError
 
-# Why a measurement produced no usable timings (values of melix_fsm.policy.Reason).
+# Why a measurement produced no usable timings (values of melix_fsm.policy.decision.Reason).
 MEASUREMENT_REASONS: tuple[str, ...] = (
     "measurement_failed",  # a timed forward raised, or returned a non-finite/non-positive time
     "measurement_timeout",  # the calibration ran past its time budget
