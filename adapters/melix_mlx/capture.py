@@ -27,11 +27,59 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import sum_gradients
-from mlx_lm.models import qwen3_5
+from mlx_lm.models import qwen3_5, qwen3_next
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
 _ARMED = "melix_steps"  # attribute an armed ArraysCache leaf carries: list of per-step states
+
+
+def _recur(
+    layer: Any,
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    a: mx.array,
+    b: mx.array,
+    state: mx.array | None,
+    mask: mx.array | None,
+    conv_input: mx.array,
+    steps: list,
+) -> tuple[list[mx.array], mx.array]:
+    """The gated-delta recurrence one position at a time, recording each step's state."""
+    n_keep = layer.conv_kernel_size - 1
+    q, k = normalize_qk(q, k, inv_scale=layer.head_k_dim**-0.5, eps=1e-6)
+    outs = []
+    for t in range(q.shape[1]):
+        step = slice(t, t + 1)
+        y, state = gated_delta_update(
+            q[:, step],
+            k[:, step],
+            v[:, step],
+            a[:, step],
+            b[:, step],
+            layer.A_log,
+            layer.dt_bias,
+            state,
+            None if mask is None else mask[:, step],
+            use_kernel=not layer.training,
+        )
+        outs.append(y)
+        # the convolution window after t + 1 of the S positions
+        steps.append((conv_input[:, t + 1 : t + 1 + n_keep], state))
+    return outs, state
+
+
+def _conv_qkv(layer: Any, conv_input: mx.array, B: int, S: int) -> list[mx.array]:
+    conv_out = nn.silu(layer.conv1d(conv_input))
+    return [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [layer.key_dim, 2 * layer.key_dim], -1),
+            [layer.num_k_heads, layer.num_k_heads, layer.num_v_heads],
+            [layer.head_k_dim, layer.head_k_dim, layer.head_v_dim],
+        )
+    ]
 
 
 class CapturingGatedDeltaNet(qwen3_5.GatedDeltaNet):
@@ -54,37 +102,9 @@ class CapturingGatedDeltaNet(qwen3_5.GatedDeltaNet):
         if mask is not None:
             qkv = mx.where(mask[..., None], qkv, 0)
         conv_input = mx.concatenate([conv_state, qkv], axis=1)
-        n_keep = self.conv_kernel_size - 1
-        conv_out = nn.silu(self.conv1d(conv_input))
-        q, k, v = [
-            t.reshape(B, S, h, d)
-            for t, h, d in zip(
-                mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
-                [self.num_k_heads, self.num_k_heads, self.num_v_heads],
-                [self.head_k_dim, self.head_k_dim, self.head_v_dim],
-            )
-        ]
-        state = cache[1]
-        q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
-        outs = []
-        for t in range(S):
-            step = slice(t, t + 1)
-            y, state = gated_delta_update(
-                q[:, step],
-                k[:, step],
-                v[:, step],
-                a[:, step],
-                b[:, step],
-                self.A_log,
-                self.dt_bias,
-                state,
-                None if mask is None else mask[:, step],
-                use_kernel=not self.training,
-            )
-            outs.append(y)
-            # the convolution window after t + 1 of the S positions
-            steps.append((conv_input[:, t + 1 : t + 1 + n_keep], state))
-        cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
+        q, k, v = _conv_qkv(self, conv_input, B, S)
+        outs, state = _recur(self, q, k, v, a, b, cache[1], mask, conv_input, steps)
+        cache[0] = mx.contiguous(conv_input[:, -(self.conv_kernel_size - 1) :, :])
         cache[1] = state
         cache.advance(S)
         out = self.norm(mx.concatenate(outs, axis=1), z)
@@ -94,9 +114,39 @@ class CapturingGatedDeltaNet(qwen3_5.GatedDeltaNet):
         return out
 
 
+class CapturingQwen3NextGatedDeltaNet(qwen3_next.Qwen3NextGatedDeltaNet):
+    """mlx-lm's Qwen3-Next GatedDeltaNet (fused projections) with the same armed capture."""
+
+    def __call__(self, inputs: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
+        steps = getattr(cache, _ARMED, None) if cache is not None else None
+        if steps is None:
+            return super().__call__(inputs, mask, cache)
+        B, S, _ = inputs.shape
+        q, k, v, z, b, a = self.fix_query_key_value_ordering(
+            self.in_proj_qkvz(inputs), self.in_proj_ba(inputs)
+        )
+        conv_state = cache[0]
+        if conv_state is None:
+            conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=inputs.dtype)
+        mixed_qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
+        if mask is not None:
+            mixed_qkv = mx.where(mask[..., None], mixed_qkv, 0)
+        conv_input = mx.concatenate([conv_state, mixed_qkv], axis=1)
+        q, k, v = _conv_qkv(self, conv_input, B, S)
+        outs, state = _recur(self, q, k, v, a, b, cache[1], mask, conv_input, steps)
+        cache[0] = mx.contiguous(conv_input[:, -(self.conv_kernel_size - 1) :, :])
+        cache[1] = state
+        cache.advance(S)
+        out = self.norm(mx.concatenate(outs, axis=1), z)
+        return self.out_proj(out.reshape(B, S, -1))
+
+
 # mlx-lm layer class -> its capturing subclass. A cache whose recurrent layers are not
 # listed here is refused (no exact rollback).
-CAPTURING: dict[type, type] = {qwen3_5.GatedDeltaNet: CapturingGatedDeltaNet}
+CAPTURING: dict[type, type] = {
+    qwen3_5.GatedDeltaNet: CapturingGatedDeltaNet,
+    qwen3_next.Qwen3NextGatedDeltaNet: CapturingQwen3NextGatedDeltaNet,
+}
 
 
 def _recurrent_layers(model: nn.Module) -> list[nn.Module]:

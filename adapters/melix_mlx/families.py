@@ -22,7 +22,7 @@ FAMILIES = tuple(
 )
 
 
-def _entry(config: dict[str, Any]) -> Family:
+def family_entry(config: dict[str, Any]) -> Family:
     model_type = config.get("model_type")
     if not isinstance(model_type, str) and isinstance(config.get("text_config"), dict):
         model_type = config["text_config"].get("model_type")
@@ -38,7 +38,7 @@ def _entry(config: dict[str, Any]) -> Family:
 
 def detect_family(config: dict[str, Any]) -> str:
     """The head module name for `config`, or raise `UnsupportedModel`."""
-    return _entry(config).head_module
+    return family_entry(config).head_module
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -48,7 +48,7 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
 
 def advertised_head_count(config: dict[str, Any]) -> int:
     """How many MTP layers the config says the checkpoint ships (first registry key present)."""
-    for key in _entry(config).head_count_keys:
+    for key in family_entry(config).head_count_keys:
         found, value = config_value(config, key)
         if found and value is not None:
             return int(value or 0)

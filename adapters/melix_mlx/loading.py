@@ -33,7 +33,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, infer_quant_config, load_config, load_model, load_tokenizer
 
 from .errors import HeadShapeMismatch, MissingHeadWeights, UnsupportedModel
-from .families import advertised_head_count, detect_family, text_config
+from .families import advertised_head_count, detect_family, family_entry, text_config
 from .heads import FAMILY_MODULES, HEAD_CLASSES, MTPHeadBase
 
 MELIX_KEY_PREFIX = "melix_mtp."
@@ -245,7 +245,7 @@ def build_head(
         "head_format": fmt,
         "source_files": files,
         "sidecar": any(not f.startswith("model") for f in files),
-        "norms_repaired_on_load": family == "qwen3_5" and fmt == "hf",
+        "norms_repaired_on_load": family_entry(config).norm_repair == "plus_one" and fmt == "hf",
         "own_lm_head": own,
         "stored_quantized": stored_quantized,
     }

@@ -129,7 +129,10 @@ _BASE_CONFIGS: dict[str, dict[str, Any]] = {
     },
 }
 
-FAMILIES = tuple(_BASE_CONFIGS)
+FAMILIES = tuple(_BASE_CONFIGS)  # the core families every decode test runs over
+# families whose fixtures live in melix_mlx.tiny_moe (their own tests: test_families*.py)
+MORE_FAMILIES = ("glm4_moe", "qwen3_5_moe", "qwen3_next")
+ALL_FAMILIES = FAMILIES + MORE_FAMILIES
 
 
 class _Init:
@@ -157,8 +160,14 @@ class _Init:
 
 def _config_for(family: str, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict]:
     """Return (config.json dict, the language-model settings dict inside it)."""
+    if family in MORE_FAMILIES:
+        from . import tiny_moe
+
+        text = copy.deepcopy(tiny_moe.CONFIGS[family])
+        text.update(overrides)
+        return tiny_moe.wrap_config(family, text), text
     if family not in _BASE_CONFIGS:
-        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; choose from {ALL_FAMILIES}")
     text = copy.deepcopy(_BASE_CONFIGS[family])
     text.update(overrides)
     if family != "qwen3_5":
@@ -349,6 +358,14 @@ def _lm_head(init: _Init, vocab: int, dim: int, embed: mx.array) -> mx.array:
 _BUILDERS = {"qwen3_5": _qwen3_5_weights, "deepseek_v3": _deepseek_weights, "mimo": _mimo_weights}
 
 
+def _builder(family: str) -> Any:
+    if family in MORE_FAMILIES:
+        from . import tiny_moe
+
+        return tiny_moe.BUILDERS[family]
+    return _BUILDERS[family]
+
+
 def make_tiny(
     family: str,
     out_dir: str | Path,
@@ -366,12 +383,12 @@ def make_tiny(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config, text = _config_for(family, overrides)
-    text_dtype_key = "dtype" if family == "qwen3_5" else "torch_dtype"
+    text_dtype_key = "dtype" if "text_config" in config else "torch_dtype"
     text[text_dtype_key] = dtype
     if head_in_sidecar is None:
         head_in_sidecar = family == "deepseek_v3" and text["num_hidden_layers"] != 61
     init = _Init(seed, getattr(mx, dtype))
-    main, head = _BUILDERS[family](init, text)
+    main, head = _builder(family)(init, text)
 
     meta = {"format": "pt"}
     if head_in_sidecar:

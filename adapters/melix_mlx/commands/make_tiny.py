@@ -14,7 +14,7 @@ import argparse
 import sys
 from typing import Any
 
-FAMILIES = ("qwen3_5", "deepseek_v3", "mimo")
+FAMILIES = ("qwen3_5", "deepseek_v3", "mimo", "glm4_moe", "qwen3_5_moe", "qwen3_next")
 
 
 def register(subparsers: Any) -> None:
@@ -31,7 +31,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from melix_mlx.tiny import FAMILIES as BUILT
+    from melix_mlx.tiny import ALL_FAMILIES as BUILT
     from melix_mlx.tiny import make_tiny
 
     if args.family not in BUILT:  # the two lists drifted apart

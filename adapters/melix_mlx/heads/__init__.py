@@ -20,9 +20,9 @@ loads the weights). ``head`` is an ``mlx.nn.Module`` with:
     mask         None builds the causal mask over the head cache (mlx-lm rules);
                  pass an explicit one for padded batches.
 
-Class constants: ``FAMILY``, ``CHAIN_POST_NORM`` (qwen3_5 True, deepseek_v3 False,
-mimo True), ``CONCAT_ORDER`` ("embedding_first" for qwen3_5/deepseek_v3,
-"hidden_first" for mimo), ``NUM_LAYERS`` (layers in the head's cache list: 1).
+Class constants: ``FAMILY``, ``CHAIN_POST_NORM`` (qwen3_5 / qwen3_5_moe / qwen3_next /
+mimo True, deepseek_v3 / glm4_moe False), ``CONCAT_ORDER`` ("hidden_first" for mimo,
+"embedding_first" for the rest), ``NUM_LAYERS`` (layers in the head's cache list: 1).
 
 The embedding and (except DeepSeek's own ``shared_head.head``) the lm_head are the main
 model's modules, held by reference, outside ``head.parameters()``.
@@ -36,12 +36,15 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import deepseek_v3, mimo, qwen3_5
+from . import deepseek_v3, glm4_moe, mimo, qwen3_5, qwen3_5_moe, qwen3_next
 from ._base import MTPHeadBase
 
 FAMILY_MODULES: dict[str, ModuleType] = {
     "qwen3_5": qwen3_5,
+    "qwen3_5_moe": qwen3_5_moe,
+    "qwen3_next": qwen3_next,
     "deepseek_v3": deepseek_v3,
+    "glm4_moe": glm4_moe,
     "mimo": mimo,
 }
 

@@ -59,9 +59,18 @@ class MTPHead(MTPHeadBase):
         self.enorm = nn.RMSNorm(d, eps=eps)
         self.hnorm = nn.RMSNorm(d, eps=eps)
         self.eh_proj = nn.Linear(2 * d, d, bias=False)
-        # index num_hidden_layers: mlx-lm then picks MoE exactly as HF does for the head
-        self.block = DeepseekV3DecoderLayer(args, layer_idx=args.num_hidden_layers)
+        self.block = self._make_block(args)
         self.shared_head = _SharedHead(d, args.vocab_size, eps, own_lm_head)
+
+    @staticmethod
+    def _make_block(args: Any) -> nn.Module:
+        # index num_hidden_layers: mlx-lm then picks MoE exactly as HF does for the head
+        return DeepseekV3DecoderLayer(args, layer_idx=args.num_hidden_layers)
+
+    @staticmethod
+    def _mask(x: mx.array, cache: Any) -> Any:
+        # MLA wants a boolean array mask (or None for one token)
+        return create_attention_mask(x, cache, return_array=True)
 
     def __call__(
         self,
@@ -74,8 +83,8 @@ class MTPHead(MTPHeadBase):
         h = self.hnorm(hidden)
         x = self.eh_proj(mx.concatenate([e, h], axis=-1))
         c = self._first(cache)
-        if mask is None:  # MLA wants a boolean array mask (or None for one token)
-            mask = create_attention_mask(x, c, return_array=True)
+        if mask is None:
+            mask = self._mask(x, c)
         x = self.block(x, mask, c)
         normed = self.shared_head.norm(x)
         logits = self.shared_head.head(normed) if self.own_lm_head else self.main_lm_head(normed)

@@ -6,7 +6,11 @@ Rules:
 - HF stores every RMSNorm of the head as w with forward (1+w): ``from_hf`` adds 1 exactly
   once. Raw keys live under ``mtp.`` (possibly in a ``mtp.safetensors`` sidecar).
 - The layer is mlx-lm's own ``qwen3_5.DecoderLayer`` built as a full-attention layer, so
-  parameter names and numerics match the main model's attention layers.
+  parameter names and numerics match the main model's attention layers (a sparse-MoE
+  feed-forward when the config has experts: qwen3_5_moe subclasses this head).
+- Expert tensors are stacked into ``switch_mlp`` from either stored form: fused
+  (``experts.gate_up_proj`` [E, 2I, D] + ``experts.down_proj``) or per expert
+  (``experts.{e}.{gate,up,down}_proj.*``).
 """
 
 from __future__ import annotations
@@ -45,9 +49,13 @@ class MTPHead(MTPHeadBase):
         self.pre_fc_norm_embedding = nn.RMSNorm(d, eps=eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(d, eps=eps)
         self.fc = nn.Linear(2 * d, d, bias=False)
-        # layer_idx chosen so that mlx-lm builds a full-attention (not linear) layer
-        self.layers = [DecoderLayer(args, layer_idx=args.full_attention_interval - 1)]
+        self.layers = [self._make_layer(args)]
         self.norm = nn.RMSNorm(d, eps=eps)
+
+    @staticmethod
+    def _make_layer(args: Any) -> nn.Module:
+        # layer_idx chosen so that mlx-lm builds a full-attention (not linear) layer
+        return DecoderLayer(args, layer_idx=args.full_attention_interval - 1)
 
     def __call__(
         self,
@@ -86,4 +94,21 @@ def from_hf(raw: dict[str, mx.array], config: dict[str, Any], layer: int = 0) ->
         if value.ndim == 1 and name.endswith(_ONE_PLUS_NORMS):
             value = value + 1.0
         out[name] = value
+    _stack_experts(out, "layers.0.mlp.", int(config.get("num_experts") or 0))
     return out
+
+
+def _stack_experts(w: dict[str, mx.array], mlp: str, n_experts: int) -> None:
+    """Expert tensors under ``mlp`` -> ``{mlp}switch_mlp.{proj}.*`` [E, ...], in place."""
+    fused = w.pop(f"{mlp}experts.gate_up_proj", None)
+    if fused is not None:
+        mid = fused.shape[-2] // 2
+        w[f"{mlp}switch_mlp.gate_proj.weight"] = fused[..., :mid, :]
+        w[f"{mlp}switch_mlp.up_proj.weight"] = fused[..., mid:, :]
+    if f"{mlp}experts.down_proj" in w:
+        w[f"{mlp}switch_mlp.down_proj.weight"] = w.pop(f"{mlp}experts.down_proj")
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        for kind in ("weight", "scales", "biases"):
+            keys = [f"{mlp}experts.{e}.{proj}.{kind}" for e in range(n_experts)]
+            if keys and all(k in w for k in keys):
+                w[f"{mlp}switch_mlp.{proj}.{kind}"] = mx.stack([w.pop(k) for k in keys])
