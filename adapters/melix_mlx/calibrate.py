@@ -5,7 +5,7 @@ Rules of this module:
   size B (B identical rows): a 1-token decode step, a (k+1)-token verify, or one head
   draft step (head call on one slot, then argmax). It forces its outputs with mx.eval
   and puts the caches back where they were (KV trimmed, recurrent layers restored from a
-  checkpoint), so every run sees the same cache length.
+  `rollback.CacheMark`), so every run sees the same cache length.
 - Caches are prefilled with a short prompt first (and the head's cache primed from its
   (hidden, next token) pairs), so attention runs over a realistic, non-empty cache.
 - Calibrate before serving, never beside a running prefill: samples taken while another
@@ -58,7 +58,7 @@ def build_forwards(
     cache = make_prompt_cache(model) if cache is None else cache
     _, hidden = forward_with_hidden(model, prompt, cache)
     mx.eval(hidden, [c.state for c in rollback.leaves(cache)])
-    checkpoint = rollback.checkpoint(cache)
+    start = rollback.mark(cache)
 
     step_tokens = mx.ones((B, 1), dtype=mx.int32)
     verify_tokens = mx.ones((B, k + 1), dtype=mx.int32)
@@ -66,7 +66,7 @@ def build_forwards(
     def fn_1() -> None:
         logits, h = forward_with_hidden(model, step_tokens, cache)
         mx.eval(logits, h)
-        rollback.restore(cache, checkpoint)
+        rollback.restore(cache, start)
 
     # the verify as the engine runs it: decode-shaped layer variants, recurrent states captured
     capture.install(model)
@@ -79,7 +79,7 @@ def build_forwards(
         steps = capture.collect(armed)
         absorbed_mla.disarm(marked)
         mx.eval(logits, h, steps)
-        rollback.restore(cache, checkpoint)
+        rollback.restore(cache, start)
 
     head_cache = head.make_cache() if head_cache is None else head_cache
     _, primed = head(hidden[:, :-1], prompt[:, 1:], head_cache)  # prime like the decoder does

@@ -127,8 +127,8 @@ class Flight:
     next_draft: mx.array  # [B]
     next_q: list[mx.array | None]
     next_hidden: mx.array  # [B, 1, D]
-    checkpoint: rollback.Checkpoint
-    head_checkpoint: rollback.Checkpoint
+    mark: rollback.CacheMark
+    head_mark: rollback.CacheMark
 
 
 @dataclass
@@ -272,8 +272,8 @@ class CycleEngine:
         ks = [p.k for p in plans]
         K = max(ks)
         B = len(plans)
-        cp = rollback.checkpoint(self.cache)
-        head_cp = rollback.checkpoint(self.head_cache)
+        cp = rollback.mark(self.cache)
+        head_cp = rollback.mark(self.head_cache)
         self._drafted = False
         t0 = time.perf_counter()
         try:
@@ -355,8 +355,8 @@ class CycleEngine:
             next_draft=next_draft.astype(mx.uint32),
             next_q=next_q,
             next_hidden=mx.take_along_axis(head_hidden, at, axis=1),
-            checkpoint=cp,
-            head_checkpoint=head_cp,
+            mark=cp,
+            head_mark=head_cp,
         )
 
     def _logprobs(self, plans: list[RowPlan], logits: mx.array, inputs: mx.array) -> mx.array:
@@ -438,8 +438,8 @@ class CycleEngine:
         self._undo(flight)
 
     def _undo(self, flight: Flight) -> None:
-        rollback.restore(self.cache, flight.checkpoint)
-        rollback.restore(self.head_cache, flight.head_checkpoint)
+        rollback.restore(self.cache, flight.mark)
+        rollback.restore(self.head_cache, flight.head_mark)
 
     # -- plain steps -----------------------------------------------------------------------
     def plain(self, plans: list[RowPlan]) -> tuple[mx.array, mx.array]:

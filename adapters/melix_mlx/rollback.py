@@ -11,7 +11,7 @@ Rules of this module:
   in place, so they are never snapshotted by reference.
 - Recurrent (ArraysCache) leaves are not trimmable. The verify captures their state at
   every position and rollback selects it (melix_mlx.capture). A cache whose recurrent
-  layers cannot be captured has no exact rollback here and is refused. A `Checkpoint`
+  layers cannot be captured has no exact rollback here and is refused. A `CacheMark`
   (KV offsets and a copy of each recurrent leaf's array list: the layer replaces its
   arrays on update, so the copy is cheap and exact) undoes a whole failed cycle.
 - Which strategy a cache kind gets is spec/rollback.toml's (`strategy_of`), not a class
@@ -116,15 +116,16 @@ needs_replay = needs_capture  # the name the cost model's callers use: true wher
 
 
 @dataclass
-class Checkpoint:
-    """Where every leaf stood before a forward: KV offsets and recurrent array lists."""
+class CacheMark:
+    """Where every cache leaf stood before a forward (KV offsets and recurrent array lists),
+    to put it back after a failed cycle. Not a model checkpoint: nothing is written."""
 
     offsets: list[Any]  # per leaf: KV offset (int, or the per-row array of a batch cache)
     indices: list[int | None]  # per leaf: a batch cache's write index, else None
     arrays: list[list[Any] | None]  # per leaf: copied ArraysCache list, or None
 
 
-def checkpoint(cache: list[Any]) -> Checkpoint:
+def mark(cache: list[Any]) -> CacheMark:
     offsets: list[Any] = []
     indices: list[int | None] = []
     arrays: list[list[Any] | None] = []
@@ -137,11 +138,11 @@ def checkpoint(cache: list[Any]) -> Checkpoint:
             offsets.append(c.offset)
             indices.append(getattr(c, "_idx", None))
             arrays.append(None)
-    return Checkpoint(offsets, indices, arrays)
+    return CacheMark(offsets, indices, arrays)
 
 
-def restore(cache: list[Any], cp: Checkpoint) -> None:
-    """Put every layer back exactly where the checkpoint was taken."""
+def restore(cache: list[Any], cp: CacheMark) -> None:
+    """Put every layer back exactly where the mark was taken."""
     for c, offset, index, saved in zip(leaves(cache), cp.offsets, cp.indices, cp.arrays):
         if saved is not None:
             c.cache = list(saved)
