@@ -61,6 +61,7 @@ from .batch_rows import InsertRequest, MTPResponse, RowState
 from .engine import CycleEngine, RowHead, RowPlan, Settled, SpeculativeFault
 from .prefill import prefill_with_hidden
 from .sampling import normalize_logits, params_of
+from .token_history import TokenHistory
 
 
 class MTPBatchGenerator:
@@ -427,6 +428,7 @@ class MTPBatchGenerator:
             max_tokens=request.max_tokens,
             matcher=request.stop.matcher(),
             k=request.k,
+            history=TokenHistory(context) if request.processors else None,
         )
         logprobs = self._process_first(state, logits)
         state.y = int(state.sampler(logprobs).item())
@@ -446,8 +448,8 @@ class MTPBatchGenerator:
 
     def _process_first(self, state: RowState, logits: mx.array) -> mx.array:
         """Processed log-probs [1, V] of a prefill's last position."""
-        if state.processors:
-            history = mx.array(state.context)
+        if state.history is not None:
+            history = state.history.upto()
             for processor in state.processors:
                 logits = processor(history, logits)
         return normalize_logits(logits)
@@ -462,7 +464,7 @@ class MTPBatchGenerator:
                 remaining = state.max_tokens - state.num_generated
                 k = max(1, min(depth or state.k, state.k, remaining - 1))
             sampler = None if state.sampler is greedy_sampler else state.sampler
-            history = state.context if state.processors else None
+            history = state.history.upto() if state.history is not None else None
             plans.append(RowPlan(k, state.params, sampler, state.processors, history))
         return plans
 
@@ -510,6 +512,8 @@ class MTPBatchGenerator:
             tokens = settled.tokens[i]
             a = settled.accepted[i]
             state.context.extend([state.y, *tokens[:a]])
+            if state.history is not None:
+                state.history.extend([state.y, *tokens[:a]])
             state.y = tokens[-1]
             for j, token in enumerate(tokens):
                 if self._emit(row.uid, state, token, settled.logprobs[i, j], j < a, out):

@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.generate import StopSequences
 
 from .sampling import SamplingParams
+from .token_history import TokenHistory
 
 
 @dataclass
@@ -50,6 +51,7 @@ class RowState:
     num_generated: int = 0
     refusal: str | None = None
     fault: str | None = None
+    history: TokenHistory | None = None  # `context` on the device, for logits processors only
 
 
 @dataclass

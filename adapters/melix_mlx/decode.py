@@ -38,6 +38,7 @@ from . import rollback
 from .engine import CycleEngine, Flight, RowHead, RowPlan, SpeculativeFault
 from .prefill import prefill_with_hidden
 from .sampling import SamplingParams, normalize_logits, params_of
+from .token_history import TokenHistory
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 Sampler = Callable[[mx.array], mx.array]
@@ -93,7 +94,7 @@ class MTPDecoder:
         self.fault_message: str | None = None
         self.refusal = refusal or self._refusal_reason()
         self.controller = controller  # melix_fsm.policy.controller.LiveController, or None: always on
-        self._context: list[int] = []  # prompt and every yielded token (only for logits processors)
+        self._history: TokenHistory | None = None  # prompt and every yielded token (processors only)
         self._last_step_end: float | None = None
 
     @property
@@ -127,7 +128,7 @@ class MTPDecoder:
 
     # -- steps -----------------------------------------------------------------------
     def _plan(self, k: int) -> RowPlan:
-        history = self._context[:-1] if self.processors else None  # everything before y
+        history = self._history.upto(len(self._history) - 1) if self._history is not None else None
         return RowPlan(k, self.params, self.sampler, self.processors, history)
 
     def _depth(self, remaining: int) -> int:
@@ -209,7 +210,7 @@ class MTPDecoder:
             row = self.engine.prime(self.head_cache, hiddens, [*prompt_tokens[1:], y], self.params)
         self.engine.extend(mx.array([y]), [row])
         if self.processors:
-            self._context = [*prompt_tokens, y]
+            self._history = TokenHistory([*prompt_tokens, y])  # everything before y, then y
         yield y, logprobs[-1], False
         produced = 1
         step: Flight | _Plain | None = None
@@ -223,8 +224,8 @@ class MTPDecoder:
                 if out is None:
                     continue  # faulted: the next iteration decodes y plainly
                 out = out[:remaining]
-                if self.processors:
-                    self._context.extend(t for t, _, _ in out)
+                if self._history is not None:
+                    self._history.extend([t for t, _, _ in out])
                 produced += len(out)
                 if max_tokens < 0 or produced < max_tokens:
                     # overlap: the device runs the next step while the caller consumes these

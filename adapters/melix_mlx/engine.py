@@ -75,6 +75,26 @@ def _caller(fn: Callable[..., mx.array], *args: Any) -> mx.array:
         raise CallerError(exc) from exc
 
 
+class ForwardFailed(Exception):
+    """A model or head forward of a speculative cycle raised (wraps the cause).
+
+    Only these become speculative faults: an error anywhere else in the engine is a bug
+    in this package and propagates as itself (after the caches are put back).
+    """
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+
+
+def _forward(fn: Callable[..., Any], *args: Any) -> Any:
+    """Call a model or head forward; its exceptions are speculative faults."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        raise ForwardFailed(exc) from exc
+
+
 class SpeculativeFault(Exception):
     """A speculative cycle failed; caches were restored to the cycle's start."""
 
@@ -92,7 +112,7 @@ class RowPlan:
     params: SamplingParams | None  # the distribution its sampler draws from (None: unknown)
     sampler: Sampler | None  # how it draws a plain token (None: greedy argmax)
     processors: tuple = ()
-    history: list[int] | None = None  # tokens in its context before y (only with processors)
+    history: mx.array | None = None  # [n] tokens of its context before y (only with processors)
 
     @property
     def greedy(self) -> bool:
@@ -254,7 +274,7 @@ class CycleEngine:
             hs.append(mx.concatenate([h, mx.zeros((pad, dim), dtype)]) if pad else h)
             ts.append(mx.concatenate([t, mx.zeros((pad,), mx.uint32)]) if pad else t)
             real.append(n)
-        logits, out = self.head(mx.stack(hs), mx.stack(ts), self.head_cache)
+        logits, out = _forward(self.head, mx.stack(hs), mx.stack(ts), self.head_cache)
         self.head_forwards += 1
         rollback.drop_row_suffixes(self.head_cache, [width - n for n in real])
         last = mx.array([max(n - 1, 0) for n in real])
@@ -280,12 +300,14 @@ class CycleEngine:
             flight = self._build(plans, ks, K, B, cp, head_cp)
             t1 = time.perf_counter()
             mx.async_eval(flight.accepted, flight.bonus, flight.inputs, flight.next_draft)
-        except Exception as exc:
+        except BaseException as exc:
             rollback.restore(self.cache, cp)
             rollback.restore(self.head_cache, head_cp)
             if isinstance(exc, CallerError):
                 raise exc.cause from None  # the caller's bug: theirs to see, not a fault
-            raise SpeculativeFault(exc, drafted=self._drafted) from exc
+            if isinstance(exc, ForwardFailed):
+                raise SpeculativeFault(exc.cause, drafted=self._drafted) from exc.cause
+            raise  # this package's bug: never dressed up as a fault the rows survive
         if self.clock is not None:
             clock = self.clock
             clock.build += t1 - t0
@@ -307,7 +329,7 @@ class CycleEngine:
         qcols: list[list[mx.array | None]] = [[r.q for r in self.rows]]
         chained = mx.concatenate([blank_hidden if r.hidden is None else r.hidden for r in self.rows], axis=0)
         for _ in range(1, K):
-            logits, chained = self.head(chained, columns[-1][:, None], self.head_cache)
+            logits, chained = _forward(self.head, chained, columns[-1][:, None], self.head_cache)
             self.head_forwards += 1
             tokens, qs = self._draw(logits[:, -1], params)
             columns.append(tokens.astype(mx.uint32))
@@ -321,7 +343,7 @@ class CycleEngine:
         armed = capture.arm(self.cache)
         verifying = absorbed_mla.arm(rollback.leaves(self.cache))
         try:
-            logits, hidden = forward_with_hidden(self.model, inputs, self.cache)
+            logits, hidden = _forward(forward_with_hidden, self.model, inputs, self.cache)
         finally:
             steps = capture.collect(armed)
             absorbed_mla.disarm(verifying)
@@ -339,7 +361,7 @@ class CycleEngine:
         pair_tokens = mx.where(pos < accepted[:, None], padded, bonus[:, None].astype(mx.uint32))
         marked = absorbed_mla.arm(rollback.leaves(self.head_cache))
         try:
-            head_logits, head_hidden = self.head(hidden, pair_tokens, self.head_cache)
+            head_logits, head_hidden = _forward(self.head, hidden, pair_tokens, self.head_cache)
         finally:
             absorbed_mla.disarm(marked)
         self.head_forwards += 1
@@ -363,15 +385,18 @@ class CycleEngine:
         """Processed log-probabilities [B, L, V]; logits processors see the token history."""
         if not any(p.processors for p in plans):
             return normalize_logits(logits)
-        fed = inputs.tolist()  # processors need the drafts' values: an extra sync
         rows = []
         for i, plan in enumerate(plans):
             if not plan.processors:
                 rows.append(normalize_logits(logits[i]))
                 continue
+            # history, y and the drafts, all on the device: the processors need no sync
+            before = plan.history if plan.history is not None else mx.zeros((0,), mx.uint32)
+            context = mx.concatenate([before, inputs[i].astype(mx.uint32)])
+            n = before.size
             positions = []
             for j in range(logits.shape[1]):
-                history = mx.array((plan.history or []) + fed[i][: j + 1])
+                history = context[: n + j + 1]
                 row = logits[i, j : j + 1]
                 for processor in plan.processors:
                     row = _caller(processor, history, row)
@@ -468,7 +493,7 @@ class CycleEngine:
             if max(len(r.pending_t) for r in self.rows) >= PENDING_FLUSH:
                 try:
                     self.catch_up(plans)
-                except Exception:  # a head that fails here fails the next cycle too: drop it
+                except ForwardFailed:  # a head that fails here fails the next cycle too: drop it
                     for row in self.rows:
                         self.forget(row)
         self.y = tokens

@@ -111,3 +111,22 @@ def test_a_broken_processor_in_a_plain_step_is_the_callers_error(loaded_heads) -
     with pytest.raises(ZeroDivisionError, match="user bug"):
         for _ in decoder.generate(mx.array(PROMPT), N):
             pass
+
+
+def test_an_engine_bug_outside_the_forwards_is_not_a_fault(loaded_heads, monkeypatch) -> None:
+    """Only the model and head forwards fault a row; an error elsewhere in the cycle (here a
+    planted one in the acceptance rule) is this package's bug and surfaces as itself, with
+    the caches put back, instead of quietly decoding plainly."""
+    model, _, head, _ = loaded_heads["deepseek_v3"]
+
+    def planted(*args, **kw):
+        raise IndexError("planted engine bug")
+
+    monkeypatch.setattr(engine_mod.CycleEngine, "_accept", planted)
+    decoder = MTPDecoder(model, head, num_draft_tokens=2)
+    with pytest.raises(IndexError, match="planted engine bug"):
+        for _ in decoder.generate(mx.array(PROMPT), N):
+            pass
+    assert decoder.stats["faults"] == 0
+    offsets = {c.offset for c in decoder.cache}
+    assert offsets == {len(PROMPT)}  # the failed cycle left no position behind
