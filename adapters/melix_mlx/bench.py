@@ -50,8 +50,8 @@ from melix_fsm.policy.telemetry import loaded_blas, read_proc_maps
 
 from .batch_generator import MTPBatchGenerator
 from .calibrate import calibrate, device_kind, model_dtype
+from .cycle_clock import CycleClock
 from .decode import MTPDecoder
-from .engine import CycleClock
 from .generate import mtp_stream_generate
 from .sampling import make_sampler
 from .workloads import Prompt, held_out_prompts

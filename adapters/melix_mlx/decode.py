@@ -88,7 +88,7 @@ class MTPDecoder:
         cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
         head_cache = head.make_cache() if head is not None else []
         self.engine = CycleEngine(model, head, cache, head_cache)
-        self.engine.clock = clock  # melix_mlx.engine.CycleClock: where cycle time goes (bench)
+        self.engine.clock = clock  # melix_mlx.cycle_clock.CycleClock: where cycle time goes (bench)
         self.prefill_step_size = prefill_step_size
         self.machine = machine if machine is not None else SequenceMachine(uid=0)
         self.fault_message: str | None = None

@@ -3,6 +3,8 @@
 Single-sequence decoding (melix_mlx.decode) runs it with B = 1 on mlx-lm's own cache;
 the batched generator (melix_mlx.batch_generator) on merged batch caches. Both drive
 the same code: there is one acceptance rule, one head catch-up, one rollback.
+(Over 400 lines on purpose: the one graph a cycle builds and the rollback that undoes it
+read together; acceptance, timing and rollback mechanics live in their own modules.)
 
 Rules of this module:
 - One lazy graph and ONE host sync per cycle. `launch` builds: the chained drafts
@@ -48,6 +50,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import absorbed_mla, capture, rollback
+from .acceptance import accept_sampled
+from .cycle_clock import CycleClock
 from .hidden import forward_with_hidden
 from .sampling import SamplingParams, normalize_logits, probabilities, sample_from
 
@@ -159,35 +163,6 @@ class Settled:
     tokens: list[list[int]]  # per row: accepted drafts then the bonus token
     logprobs: mx.array  # [B, K + 1, V]
     drafts: list[list[int]]  # per row: the k drafts it proposed (accepted or not)
-
-
-@dataclass
-class CycleClock:
-    """Where a speculative cycle's wall time goes (host seconds, summed over cycles).
-
-    build: constructing the lazy graph; dispatch: `mx.async_eval` (on a CPU it returns
-    only once most of the device work has run); sync: the one `mx.eval` wait; rollback:
-    reading results and trimming caches; outside: the caller's bookkeeping between a
-    settle and the next launch (emission, lifecycle, policy).
-    """
-
-    cycles: int = 0
-    build: float = 0.0
-    dispatch: float = 0.0
-    sync: float = 0.0
-    rollback: float = 0.0
-    outside: float = 0.0
-    _last_settle: float | None = None
-
-    def merge(self, other: CycleClock) -> None:
-        """Add another run's totals (each run keeps its own clock: gaps between runs are not cycles)."""
-        self.cycles += other.cycles
-        for name in ("build", "dispatch", "sync", "rollback", "outside"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-    def per_cycle(self) -> dict[str, float]:
-        n = max(self.cycles, 1)
-        return {k: getattr(self, k) / n for k in ("build", "dispatch", "sync", "rollback", "outside")}
 
 
 class CycleEngine:
@@ -498,31 +473,3 @@ class CycleEngine:
                         self.forget(row)
         self.y = tokens
         return tokens, logprobs
-
-
-def accept_sampled(
-    drafts: mx.array, q: mx.array, logprobs: mx.array, params: SamplingParams
-) -> tuple[mx.array, mx.array]:
-    """Speculative-sampling acceptance for one row, on the device.
-
-    drafts [k], q [k, V] (what each draft was drawn from), logprobs [k + 1, V] (the
-    target's processed log-probabilities). Accept draft j with probability
-    min(1, p(d_j) / q(d_j)), one independent uniform per position; at the first
-    rejection draw from normalise(max(p - q, 0)); after k acceptances draw from p.
-    Returns (accept count, next token), both scalars.
-    """
-    k = drafts.shape[0]
-    p = probabilities(logprobs, params)  # [k + 1, V]
-    idx = drafts.astype(mx.int32)[:, None]
-    p_d = mx.take_along_axis(p[:k], idx, axis=-1)[:, 0]
-    q_d = mx.take_along_axis(q, idx, axis=-1)[:, 0]
-    u = mx.random.uniform(shape=(k,))
-    accepted = mx.cumprod((u * q_d < p_d).astype(mx.int32)).sum()
-    # q padded with a zero row: at a == k the residual is p[k] itself
-    q_pad = mx.concatenate([q, mx.zeros((1, q.shape[-1]), q.dtype)], axis=0)
-    p_a = mx.take(p, accepted, axis=0)
-    residual = mx.maximum(p_a - mx.take(q_pad, accepted, axis=0), 0.0)
-    total = residual.sum()
-    # p == q makes the residual empty (rejection had probability 0): guard round-off with p
-    dist = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p_a)
-    return accepted, mx.random.categorical(mx.log(dist))

@@ -174,7 +174,7 @@ def mtp_stream_generate(
     `machine` is the sequence's lifecycle machine when the caller already resolved it
     (e.g. from a receipt); `refusal` forces plain decode and records the reason;
     `controller` (melix_fsm.policy.controller.LiveController) suspends and resumes speculation;
-    `clock` (melix_mlx.engine.CycleClock) collects where each cycle's time goes.
+    `clock` (melix_mlx.cycle_clock.CycleClock) collects where each cycle's time goes.
     """
     if max_tokens == 0:
         raise ValueError("Maximum number of tokens must be non-zero (use -1 for no limit).")

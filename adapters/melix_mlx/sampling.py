@@ -101,51 +101,6 @@ def normalize_logits(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def accept_greedy(drafts: list[int], target_tokens: list[int]) -> int:
-    """How many drafts match the target's own choices, in order."""
-    n = 0
-    for d, t in zip(drafts, target_tokens):
-        if d != t:
-            break
-        n += 1
-    return n
-
-
-def accept_sampled(
-    drafts: list[int],
-    draft_probs: mx.array,
-    target_probs: mx.array,
-    key: mx.array | None = None,
-) -> tuple[int, int]:
-    """Speculative-sampling acceptance for one sequence.
-
-    drafts: k draft tokens; draft_probs: [k, V] the q each was drawn from;
-    target_probs: [k + 1, V] the target's p at each verify position.
-    Returns (accepted count a, the token to emit after the accepted prefix).
-    """
-    k = len(drafts)
-    keys = mx.random.split(key, 2) if key is not None else (None, None)
-    idx = mx.array(drafts)
-    p_d = mx.take_along_axis(target_probs[:k], idx[:, None], axis=-1)[:, 0]
-    q_d = mx.take_along_axis(draft_probs, idx[:, None], axis=-1)[:, 0]
-    u = mx.random.uniform(shape=(k,), key=keys[0])
-    # accept when u * q < p, i.e. with probability min(1, p / q) (q > 0: d was drawn from q)
-    accepted_mask = (u * q_d < p_d).tolist()
-    a = 0
-    while a < k and accepted_mask[a]:
-        a += 1
-    if a < k:
-        residual = mx.maximum(target_probs[a] - draft_probs[a], 0.0)
-        total = residual.sum()
-        # p == q at this position makes the residual empty; rejection then had probability 0,
-        # but guard the division for float round-off by falling back to p itself.
-        dist = mx.where(total > 0, residual / mx.maximum(total, 1e-30), target_probs[a])
-    else:
-        dist = target_probs[k]
-    token = mx.random.categorical(mx.log(dist), key=keys[1])
-    return a, int(token.item())
-
-
 def sample_from(probs: mx.array, key: mx.array | None = None) -> mx.array:
     """Draw one token per row of `probs` [.., V]."""
     return mx.random.categorical(mx.log(probs), key=key)

@@ -1,5 +1,9 @@
 """The live controller: speculate only while speculation measures faster than plain decode.
 
+(Over 400 lines on purpose: one class holds the controller's whole state machine, probes,
+hysteresis and the depth hand-off, so every switch is visible in one place; the windows,
+the depth chooser and the cost model it reads live in their own modules.)
+
 Rules of this module:
 - Pure and sans-IO: no mlx, no clock. The engine times each decode step and passes the
   seconds to `update`; the controller is a pure function of what it was fed, so two
