@@ -196,6 +196,16 @@ def read_config(model_dir: Path) -> dict[str, Any]:
 
 def safetensors_keys(path: Path) -> list[str]:
     """Tensor names in a safetensors file, from its header; the header is fully checked."""
+    return list(safetensors_header(path))
+
+
+def safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """`{name: (dtype, shape)}` of a safetensors file, read from its header alone.
+
+    The one reader of safetensors headers in the package: sizes are bounded, the JSON and
+    every entry are checked against the file's length, and any problem is a
+    CheckpointError naming the file; no tensor data is read.
+    """
     name = path.name
     try:
         with open(path, "rb") as f:
@@ -223,15 +233,15 @@ def safetensors_keys(path: Path) -> list[str]:
     if not isinstance(header, dict):
         raise CheckpointError(str(path), f"{name} header must be a JSON object")
     data_len = file_size - 8 - n
-    keys = []
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
     for key, info in header.items():
         if key == "__metadata__":
             continue
         problem = _tensor_problem(info, data_len)
         if problem:
             raise CheckpointError(str(path), f"{name}: tensor {key!r}: {problem}")
-        keys.append(key)
-    return keys
+        out[key] = (info["dtype"], tuple(info["shape"]))
+    return out
 
 
 def _tensor_problem(info: Any, data_len: int) -> str | None:

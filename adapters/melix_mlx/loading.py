@@ -21,8 +21,6 @@ Rules:
 
 from __future__ import annotations
 
-import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, infer_quant_config, load_config, load_model, load_tokenizer
+
+from melix_fsm.checkpoint import safetensors_keys
 
 from .errors import HeadShapeMismatch, MissingHeadWeights, UnsupportedModel
 from .families import advertised_head_count, detect_family, family_entry, text_config
@@ -61,15 +61,6 @@ class HeadInfo:
     chain_post_norm: bool
     concat_order: str
     num_params: int
-
-
-def safetensors_keys(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Read a safetensors header only: ``{key: (dtype, shape)}``."""
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-    header.pop("__metadata__", None)
-    return {k: (v["dtype"], tuple(v["shape"])) for k, v in header.items()}
 
 
 def _head_key_files(path: Path, config: dict[str, Any], family: str) -> dict[str, list[str]]:

@@ -214,3 +214,17 @@ def test_weights_with_only_metadata_header(fakes: Fakes) -> None:
     write_safetensors(path / "model.safetensors", [], {"format": "pt"})
     r = resolve(path)
     assert r.refusal_reason is RefusalReason.missing_head_weights
+
+
+def test_safetensors_header_is_the_one_checked_reader(tmp_path: Path) -> None:
+    """Names, dtypes and shapes come from one hardened header reader (the loader uses it too)."""
+    from melix_fsm.checkpoint import safetensors_header, safetensors_keys
+    from melix_fsm.errors import CheckpointError
+
+    path = tmp_path / "m.safetensors"
+    write_safetensors(path, ["a.weight", "b.bias"], metadata={"format": "pt"})
+    assert safetensors_header(path) == {"a.weight": ("F32", (1,)), "b.bias": ("F32", (1,))}
+    assert safetensors_keys(path) == ["a.weight", "b.bias"]
+    path.write_bytes(path.read_bytes()[:-3])  # data cut short
+    with pytest.raises(CheckpointError, match="truncated"):
+        safetensors_header(path)
