@@ -6,6 +6,9 @@ Rules of this module:
   members of this enum, and the loader refuses anything else.
 - Adding a reason is adding a member here; removing or renaming one is a receipt schema
   change (bump the schema id in melix_fsm.receipt).
+- Refusals found at runtime (by a decoder that sees the loaded model, sampler and caches)
+  travel as text `"<reason>: <detail>"` (`refusal_text`); `reason_of` reads the typed
+  reason back, so statistics carry a `RefusalReason`, not only prose.
 """
 
 from __future__ import annotations
@@ -22,10 +25,24 @@ class RefusalReason(enum.StrEnum):
     unvalidated_family = "unvalidated_family"  # borrowed head layout not yet validated
     unvalidated_sidecar = "unvalidated_sidecar"  # assistant / MTP-only checkpoint offered
     unsupported_cache_sharing = "unsupported_cache_sharing"  # a cache kind has no exact rollback
-    unsupported_quantization = "unsupported_quantization"  # quantized head we cannot run
+    unsupported_quantization = "unsupported_quantization"  # a quantized cache (or head) we cannot run
     device_policy_disabled = "device_policy_disabled"  # the measured device policy said off
     invalid_config = "invalid_config"  # config.json values are out of range or mistyped
     depth_exceeds_heads = "depth_exceeds_heads"  # k > heads and the family cannot chain
     vocab_mismatch = "vocab_mismatch"  # draft and target do not share a vocabulary
     operator_disabled = "operator_disabled"  # method none or device policy force_off
     unreadable_checkpoint = "unreadable_checkpoint"  # a file is missing, unreadable or corrupt
+    unsupported_sampler = "unsupported_sampler"  # a sampler whose distribution cannot be verified
+
+
+def refusal_text(reason: RefusalReason, detail: str) -> str:
+    """A runtime refusal as text that keeps its typed reason first."""
+    return f"{reason.value}: {detail}"
+
+
+def reason_of(text: str | None) -> RefusalReason | None:
+    """The typed reason a `refusal_text` starts with (None for no refusal or free text)."""
+    if not text:
+        return None
+    head = text.split(":", 1)[0].strip()
+    return RefusalReason.__members__.get(head)

@@ -46,7 +46,7 @@ from .reasons import RefusalReason
 from .registry import Chain, Concat, Family, NormRepair, Registry, Support, registry
 from .spec import spec_dir
 
-SCHEMA_ID = "melix-fsm/receipt/2"
+SCHEMA_ID = "melix-fsm/receipt/3"
 MAX_HEADS = 64  # more advertised head layers than this is a corrupt config, not a model
 MAX_LAYERS = 100_000
 
@@ -73,6 +73,7 @@ class ServingContext(msgspec.Struct, frozen=True, kw_only=True):
 
     quantized_kv: bool = False
     chunked_prefill: bool = False
+    batched: bool = False  # rows are merged into batch caches (several prompts, a server)
 
 
 class CachePlan(msgspec.Struct, frozen=True, kw_only=True):
@@ -116,6 +117,7 @@ class Receipt(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     quantized_matmul: bool
     quantized_kv: bool
     chunked_prefill: bool
+    batched: bool
     caches: list[CachePlan]
     batch_shape: BatchShape | None
     draft_family: str | None
@@ -165,6 +167,7 @@ def _blank(model: str, config: SpeculativeConfig, context: ServingContext) -> di
         "quantized_matmul": False,
         "quantized_kv": context.quantized_kv,
         "chunked_prefill": context.chunked_prefill,
+        "batched": context.batched,
         "caches": [],
         "batch_shape": None,
         "draft_family": None,
@@ -201,6 +204,38 @@ def _sidecar(reg: Registry, ckpt: Checkpoint, role: str) -> None:
             RefusalReason.unvalidated_sidecar,
             f"{role}: {marker}; assistant/MTP-only sidecar checkpoints are not validated",
         )
+
+
+def _serving(reg: Registry, family: Family, kinds: list[str], context: ServingContext, role: str) -> None:
+    """Refuse a serving context the family's caches cannot run at all (speculating or not)."""
+    if context.quantized_kv and not family.quantized_kv_cache:
+        raise _Refusal(
+            RefusalReason.unsupported_quantization,
+            f"{role}: {family.name} attention (MLA) reads its cached latent as plain arrays; "
+            "it cannot run on a quantized KV cache (drop kv_bits)",
+        )
+    if not context.batched:
+        return
+    for kind in kinds:
+        kind = "quantized_kv" if context.quantized_kv and kind == "kv" else kind
+        blocked = reg.unmergeable.get(kind)
+        if blocked is not None:
+            raise _Refusal(blocked.refusal, f"{role}: batched cache kind {kind!r}: {blocked.message}")
+
+
+def serving_refusal(
+    model_dir: str | os.PathLike[str], context: ServingContext
+) -> tuple[RefusalReason, str] | None:
+    """Why the model cannot serve `context` even decoding plainly, or None (reads no tensor)."""
+    reg = registry()
+    try:
+        ckpt = _read(os.fspath(model_dir), "model")
+        family = _family(reg, ckpt, "model")
+        _serving(reg, family, _cache_kinds(family, ckpt), context, "model")
+    except _Refusal as exc:
+        if exc.reason in (RefusalReason.unsupported_quantization,):
+            return exc.reason, exc.message
+    return None
 
 
 def _caches(reg: Registry, kinds: list[str], context: ServingContext, r: dict[str, Any]) -> None:
@@ -305,6 +340,7 @@ def _assess_mtp(
         raise _Refusal(
             RefusalReason.unsupported_quantization, f"{family.name} heads cannot run on quantized weights"
         )
+    _serving(reg, family, kinds, context, "model")
     _caches(reg, kinds, context, r)
     r["max_depth"] = min(heads, AUTO_MAX_DEPTH) if family.chain is Chain.none else AUTO_MAX_DEPTH
     return (
@@ -332,6 +368,8 @@ def _assess_draft(
     kinds = _cache_kinds(family, target)
     kinds += [k for k in _cache_kinds(draft_family, draft) if k not in kinds]
     _check_vocab(model, config.draft_model, r)
+    _serving(reg, family, _cache_kinds(family, target), context, "model")
+    _serving(reg, draft_family, _cache_kinds(draft_family, draft), context, "draft model")
     _caches(reg, kinds, context, r)
     r["max_depth"] = AUTO_MAX_DEPTH
     return (

@@ -78,6 +78,7 @@ class Family(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     norm_repair: NormRepair | None = None
     chain: Chain | None = None
     quantized_matmul: bool = False
+    quantized_kv_cache: bool = True  # False for MLA: the latent cache cannot be quantized
     batch_reshape: bool = False
     weights: WeightLayout | None = None
     refusal: RefusalReason | None = None
@@ -100,6 +101,14 @@ class RollbackCell(msgspec.Struct, frozen=True):
     message: str
 
 
+class Unmergeable(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A cache kind mlx-lm cannot merge into a batch cache, and the refusal a batch gets."""
+
+    kind: str
+    refusal: RefusalReason
+    message: str
+
+
 class Registry(msgspec.Struct, frozen=True):
     families: dict[str, Family]
     model_types: dict[str, str]  # model_type -> family name
@@ -107,6 +116,7 @@ class Registry(msgspec.Struct, frozen=True):
     kinds: dict[str, str]  # cache kind -> doc
     strategies: dict[str, str]  # strategy -> doc
     cells: dict[tuple[str, bool, bool], RollbackCell]
+    unmergeable: dict[str, Unmergeable] = {}  # cache kind -> why a batch cannot hold it
 
     def family_for(self, model_type: str) -> Family | None:
         name = self.model_types.get(model_type)
@@ -272,20 +282,32 @@ def parse_rollback(data: dict[str, Any], path: str = "<rollback>") -> tuple:
                     raise SpecError(
                         path, f"kinds.{kind}", f"no cell for quantized_kv={q}, chunked_prefill={c}"
                     )
+    unmergeable: dict[str, Unmergeable] = {}
+    raw_unmergeable = data.get("unmergeable", [])
+    if not isinstance(raw_unmergeable, list):
+        raise SpecError(path, "unmergeable", "must be an array of tables")
+    for i, entry in enumerate(raw_unmergeable):
+        where = f"unmergeable[{i}]"
+        item = _convert(path, where, entry, Unmergeable)
+        if item.kind not in kinds:
+            raise SpecError(path, f"{where}.kind", f"names unknown cache kind {item.kind!r}")
+        if not item.message.strip():
+            raise SpecError(path, f"{where}.message", "a refusal needs a message")
+        unmergeable[item.kind] = item
     used = {cell.strategy for cell in cells.values()}
     for name in strategies:
         if name not in used:
             raise SpecError(path, f"strategies.{name}", "is declared but no cell uses it")
-    return schema, kinds, strategies, cells
+    return schema, kinds, strategies, cells, unmergeable
 
 
 def load_registry(families_path: Path | None = None, rollback_path: Path | None = None) -> Registry:
     """Load and check both spec files; raise SpecError naming the first problem."""
     rollback_path = rollback_path or spec_dir() / "rollback.toml"
     families_path = families_path or spec_dir() / "families.toml"
-    _, kinds, strategies, cells = parse_rollback(_read_toml(rollback_path), str(rollback_path))
+    _, kinds, strategies, cells, unmergeable = parse_rollback(_read_toml(rollback_path), str(rollback_path))
     _, families, model_types, sidecar = parse_families(_read_toml(families_path), kinds, str(families_path))
-    return Registry(families, model_types, sidecar, kinds, strategies, cells)
+    return Registry(families, model_types, sidecar, kinds, strategies, cells, unmergeable)
 
 
 @cache

@@ -54,6 +54,7 @@ from melix_fsm import lifecycle as lc
 from melix_fsm.batch import Batch, Row
 from melix_fsm.lifecycle import Signal, State
 from melix_fsm.policy.controller import LiveController
+from melix_fsm.reasons import RefusalReason, reason_of, refusal_text
 from melix_fsm.report import RowReport, StepReport
 
 from . import ragged_kv, rollback
@@ -84,9 +85,14 @@ class MTPBatchGenerator:
         stream: Any = None,
         refusal: str | None = None,
         controller: LiveController | None = None,
+        kv_bits: int | None = None,
     ) -> None:
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        if kv_bits is not None:  # typed, from the registry: mlx-lm cannot merge quantized caches
+            from .errors import batched_quantized_kv
+
+            raise batched_quantized_kv()
         self.model = model
         self.head = head
         self.num_draft_tokens = num_draft_tokens
@@ -99,11 +105,10 @@ class MTPBatchGenerator:
         self.max_kv_size = max_kv_size
         self._stream = stream or mx.default_stream(mx.default_device())
         self._default_stop = StopSequences(stop_tokens if stop_tokens else None)
-        self.refusal = refusal or ("no MTP head loaded" if head is None else None)
+        no_head = refusal_text(RefusalReason.unsupported_model, "no MTP head loaded")
+        self.refusal = refusal or (no_head if head is None else None)
         if self.refusal is None:
-            bad = rollback.unsupported_kinds(make_prompt_cache(model, max_kv_size), model=model)
-            if bad:
-                self.refusal = f"cache kinds without exact rollback: {', '.join(bad)}"
+            self.refusal = rollback.refusal(make_prompt_cache(model, max_kv_size), model=model)
         self.batch = Batch()
         self.engine = CycleEngine(model, head, [], [])  # row i of the engine is row i of the batch
         self._queue: deque[InsertRequest] = deque()
@@ -434,7 +439,11 @@ class MTPBatchGenerator:
         state.y = int(state.sampler(logprobs).item())
         self._first_logprobs[request.uid] = logprobs[0]
         state.refusal = self.refusal or (
-            None if state.params is not None else "unknown sampler: its distribution cannot be verified"
+            None
+            if state.params is not None
+            else refusal_text(
+                RefusalReason.unsupported_sampler, "unknown sampler: its distribution cannot be verified"
+            )
         )
         head_cache = self.head.make_cache() if self.head is not None else []
         head = RowHead()
@@ -573,6 +582,7 @@ class MTPBatchGenerator:
                 response.stats = row.counters.summary() | {
                     "state": row.state.value,
                     "refusal": row.payload.refusal,
+                    "refusal_reason": reason_of(row.payload.refusal),
                     "fault": row.payload.fault,
                 }
         self._filter([i for i, uid in enumerate(self.batch.uids) if uid not in done])

@@ -18,6 +18,15 @@ Rules of this module:
   is lost; the fault is counted and its message kept in `fault_message`.
 - A generator closed early leaves the cache holding the prompt and every yielded token
   but the last (an in-flight cycle is undone).
+- Quantized KV (`kv_bits`, `kv_group_size`, `quantized_kv_start`, as in mlx-lm) uses
+  mlx-lm's own conversion at mlx-lm's moments: after every prefill chunk and before
+  every step, layers whose offset reached the start become QuantizedKVCache (which
+  trims exactly). mlx-lm computes a position with the quantized cache iff the position
+  is at or past the start, so a verify never straddles it: cycles are capped to end
+  before it, and the one step at the start is taken plainly (suspend, plain step,
+  resume: real lifecycle transitions).
+- Refusals found here are typed: `refusal` is `"<RefusalReason>: <detail>"` and the
+  stats carry `refusal_reason` (melix_fsm.reasons).
 """
 
 from __future__ import annotations
@@ -29,10 +38,12 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, maybe_quantize_kv_cache
 from mlx_lm.models.cache import make_prompt_cache
 
 from melix_fsm import lifecycle as lc
 from melix_fsm.lifecycle import SequenceMachine
+from melix_fsm.reasons import RefusalReason, reason_of, refusal_text
 
 from . import rollback
 from .engine import CycleEngine, Flight, RowHead, RowPlan, SpeculativeFault
@@ -76,6 +87,9 @@ class MTPDecoder:
         refusal: str | None = None,
         controller: Any = None,
         clock: Any = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+        quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
     ) -> None:
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
@@ -90,6 +104,8 @@ class MTPDecoder:
         self.engine = CycleEngine(model, head, cache, head_cache)
         self.engine.clock = clock  # melix_mlx.cycle_clock.CycleClock: where cycle time goes (bench)
         self.prefill_step_size = prefill_step_size
+        self.kv_bits, self.kv_group_size, self.quantized_kv_start = kv_bits, kv_group_size, quantized_kv_start
+        self._boundary_pause = False  # suspended for the one plain step at quantized_kv_start
         self.machine = machine if machine is not None else SequenceMachine(uid=0)
         self.fault_message: str | None = None
         self.refusal = refusal or self._refusal_reason()
@@ -108,13 +124,11 @@ class MTPDecoder:
     # -- admission ---------------------------------------------------------------
     def _refusal_reason(self) -> str | None:
         if self.head is None:
-            return "no MTP head loaded"
+            return refusal_text(RefusalReason.unsupported_model, "no MTP head loaded")
         if self.params is None:
-            return "unknown sampler: its distribution cannot be verified losslessly"
-        bad = rollback.unsupported_kinds(self.cache, model=self.model)
-        if bad:
-            return f"cache kinds without exact rollback: {', '.join(bad)}"
-        return None
+            why = "unknown sampler: its distribution cannot be verified losslessly"
+            return refusal_text(RefusalReason.unsupported_sampler, why)
+        return rollback.refusal(self.cache, model=self.model)
 
     def _resolve(self) -> None:
         if self.machine.state is lc.INITIAL:
@@ -138,9 +152,30 @@ class MTPDecoder:
         if self.controller is not None and not self.controller.speculating:
             return 0
         depth = getattr(self.controller, "k", self.k) if self.controller is not None else self.k
+        room = self._room_before_quantization()
+        if room == 0:  # the step at quantized_kv_start is plain (see the module rules)
+            self.machine.send(lc.Signal(event=lc.SUSPEND.event, reason="plain step at quantized_kv_start"))
+            self._boundary_pause = True
+            return 0
+        if room is not None:
+            depth = min(depth, room)
         return max(1, min(depth, remaining - 1))  # a cycle-ready machine takes no plain step
 
+    def _room_before_quantization(self) -> int | None:
+        """Drafts a verify may carry and still end before quantized_kv_start (None: no limit)."""
+        if self.kv_bits is None:
+            return None
+        offsets = [c.offset for c in self.cache if hasattr(c, "to_quantized")]
+        if not offsets or offsets[0] >= self.quantized_kv_start:
+            return None
+        return self.quantized_kv_start - 1 - offsets[0]
+
+    def _quantize(self) -> None:
+        """mlx-lm's own KV conversion, at the moments mlx-lm applies it."""
+        maybe_quantize_kv_cache(self.cache, self.quantized_kv_start, self.kv_group_size, self.kv_bits)
+
     def _start(self, remaining: int) -> Flight | _Plain:
+        self._quantize()
         k = self._depth(remaining)
         if k > 0:
             try:
@@ -156,6 +191,9 @@ class MTPDecoder:
         if isinstance(step, _Plain):
             token = int(step.token.item())
             self.machine.send(lc.PLAIN_STEP)
+            if self._boundary_pause:  # back to speculating after the step at the start
+                self._boundary_pause = False
+                self.machine.send(lc.Signal(event=lc.RESUME.event, reason="past quantized_kv_start"))
             out = [(token, step.logprobs[0], False)]
             accepted = proposed = 0
         else:
@@ -200,7 +238,9 @@ class MTPDecoder:
         """Yield up to `max_tokens` tokens as `(token, logprobs, from_draft)`."""
         self._resolve()
         self._reconcile()  # a start the gate disabled begins suspended
-        logits, hiddens = prefill_with_hidden(self.model, prompt, self.cache, self.prefill_step_size)
+        logits, hiddens = prefill_with_hidden(
+            self.model, prompt, self.cache, self.prefill_step_size, after_chunk=self._quantize
+        )
         prompt_tokens = prompt.tolist()
         logprobs = self._process(logits, prompt_tokens)
         y = int((mx.argmax(logprobs, axis=-1) if self.sampler is None else self.sampler(logprobs)).item())
@@ -271,6 +311,7 @@ class MTPDecoder:
             replay_forwards=self.engine.replay_forwards,
             head_forwards=self.engine.head_forwards,
             refusal=self.refusal,
+            refusal_reason=reason_of(self.refusal),
             fault=self.fault_message,
             policy=self.controller.summary() if self.controller is not None else None,
         )

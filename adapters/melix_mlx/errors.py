@@ -39,3 +39,23 @@ class UnsupportedModel(HeadLoadError):
     """The model family (or its config) is not one this package knows how to head."""
 
     reason = RefusalReason.unsupported_model
+
+
+class UnsupportedServing(MelixError):
+    """A serving option (e.g. a quantized KV cache in a batch) that cannot run exactly.
+
+    `reason` is the typed `RefusalReason` the registry gives that combination.
+    """
+
+    def __init__(self, reason: RefusalReason, message: str) -> None:
+        super().__init__(f"{reason.value}: {message}")
+        self.reason = reason
+        self.message = message
+
+
+def batched_quantized_kv() -> UnsupportedServing:
+    """The registry's refusal of a quantized KV cache in a batch (spec/rollback.toml)."""
+    from melix_fsm.registry import registry
+
+    blocked = registry().unmergeable["quantized_kv"]
+    return UnsupportedServing(blocked.refusal, f"batched cache kind 'quantized_kv': {blocked.message}")

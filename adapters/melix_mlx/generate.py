@@ -14,10 +14,12 @@ Rules of this module:
 - Which tokens come out is decided by `melix_mlx.decode.MTPDecoder` (the target model
   decides every token; drafts only change how many come per forward). Without a head,
   or when the decoder refuses speculation, it decodes plainly and says why in `stats`.
-- Options of `generate_step` that speculation cannot honour (`kv_bits`,
-  `input_embeddings`) raise ValueError instead of being ignored; `max_kv_size` builds
-  mlx-lm's rotating cache, which the decoder then refuses to speculate on (typed, in
-  `stats["refusal"]`) and decodes plainly.
+- Quantized KV takes mlx-lm's arguments (`kv_bits`, `kv_group_size`,
+  `quantized_kv_start`) and gives mlx-lm's quantized-KV output (melix_mlx.decode).
+- Options of `generate_step` that speculation cannot honour (`input_embeddings`) raise
+  ValueError instead of being ignored; `max_kv_size` builds mlx-lm's rotating cache,
+  which the decoder refuses to speculate on (typed: `stats["refusal_reason"]`) and
+  decodes plainly.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import StopSequences, generation_stream, wired_limit
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, StopSequences, generation_stream, wired_limit
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -37,7 +39,7 @@ from melix_fsm.lifecycle import SequenceMachine
 
 from .decode import MTPDecoder
 
-_UNSUPPORTED = ("kv_bits", "input_embeddings")
+_UNSUPPORTED = ("input_embeddings",)
 
 
 @dataclass
@@ -63,8 +65,6 @@ def _check_options(kw: dict[str, Any]) -> None:
             raise ValueError(f"{name} is not supported with MTP decoding")
     kw.pop("num_draft_tokens", None)  # mlx-lm passes it through for its draft model
     kw.pop("draft_model", None)
-    kw.pop("kv_group_size", None)
-    kw.pop("quantized_kv_start", None)
     if kw:
         raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(kw))}")
 
@@ -83,6 +83,9 @@ def make_decoder(
     refusal: str | None = None,
     controller: Any = None,
     clock: Any = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
 ) -> MTPDecoder:
     """The decoder the two entry points use (exposed so callers can keep its stats)."""
     if prompt_cache is None and max_kv_size is not None:
@@ -99,6 +102,9 @@ def make_decoder(
         refusal=refusal,
         controller=controller,
         clock=clock,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        quantized_kv_start=quantized_kv_start,
     )
 
 
@@ -114,6 +120,9 @@ def mtp_generate_step(
     prompt_cache: list[Any] | None = None,
     max_kv_size: int | None = None,
     prefill_step_size: int = 2048,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
     **kw: Any,
 ) -> Iterator[tuple[int, mx.array, bool]]:
     """`generate_step` with an MTP head: yields `(token, logprobs, from_draft)`.
@@ -133,6 +142,9 @@ def mtp_generate_step(
         prompt_cache=prompt_cache,
         max_kv_size=max_kv_size,
         prefill_step_size=prefill_step_size,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        quantized_kv_start=quantized_kv_start,
     )
     yield from decoder.generate(prompt, max_tokens)
 
@@ -167,6 +179,9 @@ def mtp_stream_generate(
     refusal: str | None = None,
     controller: Any = None,
     clock: Any = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
     **kw: Any,
 ) -> Iterator[MTPGenerationResponse]:
     """`stream_generate` with an MTP head; see the module rules.
@@ -199,6 +214,9 @@ def mtp_stream_generate(
         refusal=refusal,
         controller=controller,
         clock=clock,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        quantized_kv_start=quantized_kv_start,
     )
 
     def response(

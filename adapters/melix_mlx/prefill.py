@@ -11,6 +11,7 @@ Rules of this module:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -20,9 +21,17 @@ from .hidden import forward_with_hidden
 
 
 def prefill_with_hidden(
-    model: nn.Module, prompt: mx.array, cache: list[Any], step_size: int = 2048
+    model: nn.Module,
+    prompt: mx.array,
+    cache: list[Any],
+    step_size: int = 2048,
+    after_chunk: Callable[[], None] | None = None,
 ) -> tuple[mx.array, mx.array]:
-    """Feed `prompt` [n] into `cache`; return (last logits [1, V], hiddens [n, D])."""
+    """Feed `prompt` [n] into `cache`; return (last logits [1, V], hiddens [n, D]).
+
+    `after_chunk` runs after each chunk but the last token's forward, where mlx-lm's
+    `generate_step` converts its KV cache to quantized form.
+    """
     if prompt.size == 0:
         raise ValueError("the prompt is empty")
     hiddens = []
@@ -30,6 +39,8 @@ def prefill_with_hidden(
     while rest.size > 1:
         n = min(step_size, rest.size - 1)
         _, h = forward_with_hidden(model, rest[:n][None], cache)
+        if after_chunk is not None:
+            after_chunk()
         mx.eval(h, [c.state for c in cache])
         hiddens.append(h[0])
         rest = rest[n:]

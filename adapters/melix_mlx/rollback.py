@@ -108,6 +108,29 @@ def unsupported_kinds(cache: list[Any], model: Any = None) -> list[str]:
     return sorted(bad)
 
 
+def refusal(cache: list[Any], model: Any = None) -> str | None:
+    """The typed runtime refusal (`"<reason>: <detail>"`) for caches without exact rollback.
+
+    The reason is the spec cell's (spec/rollback.toml) for the first refused kind; a kind
+    the spec does not know, or recurrent layers without a capturing twin, are
+    `unsupported_cache_sharing`.
+    """
+    from melix_fsm.reasons import RefusalReason, refusal_text
+
+    bad = unsupported_kinds(cache, model=model)
+    if not bad:
+        return None
+    reason, details = RefusalReason.unsupported_cache_sharing, []
+    for kind in bad:
+        cell = _registry().cells.get((kind, False, False))
+        if cell is not None and cell.refusal is not None:
+            reason = cell.refusal if not details else reason
+            details.append(f"{kind} ({cell.message})")
+        else:
+            details.append(kind)
+    return refusal_text(reason, f"cache kinds without exact rollback: {'; '.join(details)}")
+
+
 def needs_capture(cache: list[Any]) -> bool:
     return any(isinstance(c, ArraysCache) for c in leaves(cache))
 

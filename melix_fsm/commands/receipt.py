@@ -1,8 +1,9 @@
 """`melix-fsm receipt MODEL_DIR`: print the capability receipt of a speculative start as JSON.
 
 Rules of this module:
-- The flags map one-to-one onto `melix_fsm.config.speculative_config` keyword arguments
-  (an absent flag is None: "not given"), so the CLI and the API build the same config and
+- The flags (melix_fsm.commands.options, shared with `generate`) map one-to-one onto
+  `melix_fsm.config.speculative_config` keyword arguments and the `ServingContext` (an
+  absent flag is None: "not given"), so the CLI and the API build the same config and
   print byte-identical receipts.
 - Exit status (melix_fsm.cli): 0 admitted or legacy_only (the operator chose plain decode),
   3 refused with a typed reason, 2 usage error or unreadable input (a bad flag or profile,
@@ -19,10 +20,11 @@ import sys
 from typing import Any
 
 from ..cli import EXIT_OK, EXIT_REFUSED, EXIT_USAGE
-from ..config import DevicePolicy, Method, int_or_auto, speculative_config
+from ..config import speculative_config
 from ..errors import ConfigError
 from ..reasons import RefusalReason
-from ..receipt import Mode, Receipt, ServingContext, receipt_json, resolve, schema_json
+from ..receipt import Mode, Receipt, receipt_json, resolve, schema_json
+from .options import add_serving_options, add_speculative_options, kv_arguments, serving_context
 
 
 def register(subparsers: Any) -> None:
@@ -33,13 +35,8 @@ def register(subparsers: Any) -> None:
         "Exit 0 admitted (or plain decode chosen), 3 refused with a typed reason, 2 usage error.",
     )
     parser.add_argument("model_dir", nargs="?", metavar="MODEL_DIR", help="checkpoint directory")
-    parser.add_argument("--method", choices=[m.value for m in Method], default=None)
-    parser.add_argument("--num-draft-tokens", type=int_or_auto, default=None, metavar="K|auto")
-    parser.add_argument("--draft-model", default=None, metavar="DIR", help="used with --method draft_model")
-    parser.add_argument("--device-policy", choices=[p.value for p in DevicePolicy], default=None)
-    parser.add_argument("--profile", default=None, metavar="FILE", help="TOML or JSON settings file")
-    parser.add_argument("--quantized-kv", action="store_true", help="serving uses a quantized KV cache")
-    parser.add_argument("--chunked-prefill", action="store_true", help="serving prefills in chunks")
+    add_speculative_options(parser)
+    add_serving_options(parser)
     parser.add_argument("--schema", action="store_true", help="print the receipt JSON Schema and exit")
     parser.set_defaults(run=run)
 
@@ -65,10 +62,11 @@ def run(args: argparse.Namespace) -> int:
             draft_model=args.draft_model,
             device_policy=args.device_policy,
         )
-    except ConfigError as exc:
+        kv_arguments(args)  # the same checks generate makes
+    except (ConfigError, ValueError) as exc:
         print(f"melix-fsm receipt: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    context = ServingContext(quantized_kv=args.quantized_kv, chunked_prefill=args.chunked_prefill)
+    context = serving_context(args)
     receipt = resolve(args.model_dir, config, context=context)
     sys.stdout.buffer.write(receipt_json(receipt))
     sys.stdout.flush()
