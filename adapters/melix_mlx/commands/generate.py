@@ -1,28 +1,35 @@
-"""`melix-fsm generate`: decode prompts with the checkpoint's native MTP head.
+"""`melix-fsm generate`: decode prompts with the checkpoint's MTP head, a draft model, or plainly.
 
 Rules of this module:
 - The receipt (melix_fsm.receipt.resolve) is resolved BEFORE any weight is loaded, and
-  its lifecycle machine is the sequence's machine for a single prompt.
-- Refusal, fail closed: when `--method mtp` was given explicitly and speculation is
-  refused (by the receipt, or by a typed `HeadLoadError` while building the head), the
-  command decodes nothing and exits 3 with the receipt (and the load error) as JSON on
-  stdout and a one-line reason on stderr. When the method was not given, a refusal
-  decodes plainly; the receipt and the reason go into every JSON result and a note to
-  stderr, so the fallback is recorded, never silent. `--method none` decodes plainly.
-- Model: `--model DIR`, else the embedded trained checkpoint
+  its lifecycle machine is the sequence's machine for a single prompt. Every start
+  prints it: in every JSON result with --json, else as one JSON line on stderr
+  (`melix-fsm generate: receipt: {...}`), completed with the measured hardware gate.
+- Options: every `melix-fsm receipt` option is accepted here with the same meaning
+  (melix_fsm.commands.options), plus mlx-lm's decode options (`--kv-bits`,
+  `--kv-group-size`, `--quantized-kv-start`, `--max-kv-size`, `--prefill-step-size`).
+- Refusal, fail closed: when `--method mtp|draft_model` was given explicitly and
+  speculation is refused (by the receipt, or by a typed error while building the head
+  or draft), the command decodes nothing and exits 3 with the receipt (and the error)
+  as JSON on stdout and a one-line reason on stderr. When the method was not given, a
+  refusal decodes plainly; the receipt and the reason go into every JSON result and a
+  note to stderr, so the fallback is recorded, never silent. `--method none` decodes
+  plainly.
+- Plain fallback everywhere: any checkpoint mlx-lm can load decodes plainly (families
+  without an MTP head load through mlx-lm's own loader); a checkpoint it cannot load, or
+  an option mlx/mlx-lm reject while decoding (e.g. a KV group size that does not divide
+  the head dim), is a one-line error with exit 2, never a traceback. A serving context
+  that nothing can run (a quantized KV cache on MLA layers or in a batch) exits 3 with
+  the typed `unsupported_quantization` receipt, whatever the method.
+- Model: `--model DIR` or an embedded name, else the embedded trained checkpoint
   (melix_mlx/assets/stdlib-tiny). When that is absent, a tiny RANDOM deepseek_v3
   checkpoint is built once under the cache dir ($MELIX_FSM_CACHE, else
   $XDG_CACHE_HOME/melix-fsm, else ~/.cache/melix-fsm) and used; stderr says so and the
   JSON's `model_source` is "fallback_random_tiny".
-- One prompt (`--prompt`, or a prompts file with one entry) goes through
-  `mtp_stream_generate`; several run concurrently through `MTPBatchGenerator`, with
-  `--stagger N` inserting one prompt every N generator steps (0: all at once).
-- Output: text to stdout; with `--json` one JSON object per prompt (one line each) with
-  `tokens` (generated ids, the terminating EOS/stop token excluded, as in mlx-lm's
-  `generate` / `batch_generate`), `text`, `finish_reason`, `receipt`, `stats`.
-- Exit status (melix_fsm.cli): 0 ok; 2 usage error or unreadable input (bad flag
-  value, unreadable prompts file or checkpoint); 3 typed refusal of an explicit
-  `--method mtp`. mlx is imported inside `run` only.
+- Decoding: melix_mlx.commands.generate_decode (one prompt streamed, several batched).
+- Exit status (melix_fsm.cli): 0 ok; 2 usage error or unreadable input; 3 typed refusal
+  of an explicit method, or of a serving context nothing can run. mlx is imported inside
+  `run` only.
 """
 
 from __future__ import annotations
@@ -42,11 +49,13 @@ FALLBACK_FAMILY = "deepseek_v3"
 
 
 def register(subparsers: Any) -> None:
+    from melix_fsm.commands.options import add_serving_options, add_speculative_options  # no mlx
+
     parser = subparsers.add_parser(
         "generate",
-        help="generate text with native MTP speculative decoding",
-        description="Decode one prompt (or a file of prompts, batched) with the checkpoint's MTP head. "
-        "Exit 0 ok, 2 usage error or unreadable input, 3 explicit --method mtp refused.",
+        help="generate text with MTP (or draft-model) speculative decoding",
+        description="Decode one prompt (or a file of prompts, batched) with the checkpoint's MTP head, "
+        "a draft model, or plainly. Exit 0 ok, 2 usage error or unreadable input, 3 typed refusal.",
     )
     parser.add_argument(
         "--model", default=None, metavar="DIR",
@@ -58,18 +67,10 @@ def register(subparsers: Any) -> None:
         "--prompts-file", default=None, metavar="FILE", help="one prompt per line, or a JSON list"
     )
     parser.add_argument("--max-tokens", type=int, default=64, metavar="N")
-    parser.add_argument("--method", choices=["mtp", "none"], default=None, help="default: mtp (best effort)")
-    from melix_fsm.config import int_or_auto  # cheap: no mlx
-
-    parser.add_argument(
-        "--num-draft-tokens", type=int_or_auto, default=None, metavar="K|auto", help="auto: chosen live"
-    )
-    parser.add_argument(
-        "--device-policy",
-        choices=["auto", "force_on", "force_off"],
-        default=None,
-        help="auto (default): measure the loaded model and speculate only where it pays",
-    )
+    add_speculative_options(parser)
+    add_serving_options(parser)
+    parser.add_argument("--max-kv-size", type=int, default=None, metavar="N", help="rotating KV cache size")
+    parser.add_argument("--prefill-step-size", type=int, default=2048, metavar="N")
     parser.add_argument("--temp", type=float, default=0.0, metavar="T")
     parser.add_argument("--top-p", type=float, default=0.0, metavar="P")
     parser.add_argument("--seed", type=int, default=None, metavar="S")
@@ -134,88 +135,122 @@ def _model_dir(args: argparse.Namespace) -> tuple[Path, str]:
     return target, "fallback_random_tiny"
 
 
-def _load_plain(model_dir: Path) -> tuple[Any, Any]:
-    from mlx_lm.utils import load_tokenizer
 
+def _load_plain(model_dir: Path) -> tuple[Any, Any]:
+    """Any checkpoint mlx-lm can load: through the project loader (which drops head
+    tensors mlx-lm's strict load would trip on), else mlx-lm's own for head-less families."""
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    from melix_mlx.errors import UnsupportedModel
     from melix_mlx.loading import load_main
 
-    model, config = load_main(model_dir)
+    try:
+        model, config = load_main(model_dir)
+    except UnsupportedModel:  # no MTP family: nothing to strip
+        model, config = load_model(model_dir)
     return model, load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id", None))
 
 
-def run(args: argparse.Namespace) -> int:
+def _refused(receipt_data: dict, reason: str, message: str, status: int = EXIT_REFUSED) -> int:
+    print(json.dumps({"error": reason, "message": message, "receipt": receipt_data}))
+    return _fail(f"{reason}: {message}", status)
+
+
+def _checked(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
+    """(prompts, mlx-lm KV keyword arguments); raises ValueError/OSError on bad input."""
+    from melix_fsm.commands.options import kv_arguments
+
     if args.max_tokens <= 0:
-        return _fail("--max-tokens must be > 0")
+        raise ValueError("--max-tokens must be > 0")
     if args.temp < 0 or not 0 <= args.top_p <= 1:
-        return _fail("--temp must be >= 0 and --top-p within [0, 1]")
+        raise ValueError("--temp must be >= 0 and --top-p within [0, 1]")
     if args.stagger < 0:
-        return _fail("--stagger must be >= 0")
+        raise ValueError("--stagger must be >= 0")
+    if args.prefill_step_size <= 0 or (args.max_kv_size is not None and args.max_kv_size <= 0):
+        raise ValueError("--prefill-step-size and --max-kv-size must be > 0")
+    kv = kv_arguments(args)
+    return _read_prompts(args), kv
+
+
+def run(args: argparse.Namespace) -> int:
     try:
-        prompts = _read_prompts(args)
+        prompts, kv = _checked(args)
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         return _fail(str(exc))
 
+    from melix_fsm.commands.options import serving_context
     from melix_fsm.config import Method, Source, speculative_config
     from melix_fsm.errors import ConfigError
     from melix_fsm.lifecycle import Event, SequenceMachine, Signal
     from melix_fsm.reasons import RefusalReason
-    from melix_fsm.receipt import Mode, receipt_json, resolve
+    from melix_fsm.receipt import Mode, receipt_json, resolve, serving_refusal
+    from melix_mlx.checkpoints import resolve_model
 
     try:
+        draft_dir = str(resolve_model(args.draft_model)) if args.draft_model else None
         config = speculative_config(
-            method=args.method, num_draft_tokens=args.num_draft_tokens, device_policy=args.device_policy
+            profile=args.profile,
+            method=args.method,
+            num_draft_tokens=args.num_draft_tokens,
+            draft_model=draft_dir,
+            device_policy=args.device_policy,
         )
     except ConfigError as exc:
         return _fail(str(exc))
     model_dir, model_source = _model_dir(args)
+    batched = len(prompts) > 1 or args.batched
+    context = serving_context(args, batched=batched)
 
     # the receipt comes first: nothing has read a tensor yet
     machine = SequenceMachine(0)
-    receipt = resolve(model_dir, config, machine=machine)
+    receipt = resolve(model_dir, config, context=context, machine=machine)
     receipt_data = json.loads(receipt_json(receipt))
-    explicit_mtp = config.method is Method.mtp and config.sources.method is Source.explicit
+    explicit = config.method is not Method.none and config.sources.method is Source.explicit
     reason = receipt.refusal_reason
     if reason is RefusalReason.unreadable_checkpoint:
-        print(json.dumps({"error": reason.value, "message": receipt.message, "receipt": receipt_data}))
-        return _fail(f"{reason.value}: {receipt.message}")
+        return _refused(receipt_data, reason.value, receipt.message, EXIT_USAGE)
+    unservable = serving_refusal(model_dir, context)
+    if unservable is not None:  # not even plain decoding can run this serving context
+        return _refused(receipt_data, unservable[0].value, unservable[1])
     refusal: str | None = None
     if receipt.mode is Mode.refused:
-        if explicit_mtp:
-            print(json.dumps({"error": reason.value, "message": receipt.message, "receipt": receipt_data}))
-            return _fail(f"{reason.value}: {receipt.message}", EXIT_REFUSED)
+        if explicit:
+            return _refused(receipt_data, reason.value, receipt.message)
         refusal = f"{reason.value}: {receipt.message}"
         print(f"{PROG}: note: speculation refused ({refusal}); decoding plainly", file=sys.stderr)
     elif receipt.mode is Mode.legacy_only:
         refusal = f"{reason.value}: {receipt.message}"
 
-    from melix_mlx.errors import HeadLoadError
-    from melix_mlx.loading import load_with_heads
+    from melix_mlx.errors import HeadLoadError, UnsupportedServing
 
     head = None
-    head_error: dict[str, str] | None = None
+    load_error: dict[str, str] | None = None
     try:
+        model, tokenizer = (None, None)
         if refusal is None:
             try:
-                model, tokenizer, head, _ = load_with_heads(model_dir)
-            except HeadLoadError as exc:
-                head_error = {"reason": exc.reason, "message": str(exc)}
-                if explicit_mtp:
-                    out = {"error": exc.reason, "message": str(exc), "receipt": receipt_data}
+                model, tokenizer, head = _load_speculative(model_dir, config)
+            except (HeadLoadError, UnsupportedServing) as exc:
+                load_error = {"reason": str(exc.reason), "message": str(exc)}
+                if explicit:
+                    out = {"error": str(exc.reason), "message": str(exc), "receipt": receipt_data}
                     print(json.dumps(out))
                     return _fail(f"{exc.reason}: {exc}", EXIT_REFUSED)
                 refusal = f"{exc.reason}: {exc}"
-                print(f"{PROG}: note: MTP head refused ({refusal}); decoding plainly", file=sys.stderr)
+                print(f"{PROG}: note: speculation refused ({refusal}); decoding plainly", file=sys.stderr)
                 # the receipt admitted this start: the spec's late refusal, on the same machine
                 machine.send(Signal(event=Event.refuse, reason=refusal))
-                model, tokenizer = _load_plain(model_dir)
-        else:
+                head = None
+        if model is None or tokenizer is None:
             model, tokenizer = _load_plain(model_dir)
-    except (OSError, ValueError, KeyError) as exc:  # a checkpoint mlx-lm cannot read
+    except Exception as exc:  # noqa: BLE001 - a checkpoint mlx-lm cannot load is a usage error
         return _fail(f"cannot load {model_dir}: {type(exc).__name__}: {exc}")
 
     import mlx.core as mx
 
     from melix_mlx.sampling import make_sampler
+
+    from .generate_decode import decode_batched, decode_single
 
     controller = None
     if head is not None and refusal is None:
@@ -228,6 +263,8 @@ def run(args: argparse.Namespace) -> int:
         if not activation.decision.speculate:
             note = activation.receipt.message
             print(f"{PROG}: note: {note}; decoding plainly unless the policy resumes", file=sys.stderr)
+    if not args.json:  # every start shows its receipt
+        print(f"{PROG}: receipt: {json.dumps(receipt_data, separators=(',', ':'))}", file=sys.stderr)
 
     if args.seed is not None:
         mx.random.seed(args.seed)
@@ -238,109 +275,41 @@ def run(args: argparse.Namespace) -> int:
     common = {
         "model": str(model_dir),
         "model_source": model_source,
-        "method": "mtp" if head is not None and refusal is None else "none",
+        "method": config.method.value if head is not None and refusal is None else "none",
         "num_draft_tokens": config.num_draft_tokens,
         "receipt": receipt_data,
-        "head_load_error": head_error,
+        "head_load_error": load_error,
     }
-    if len(prompts) == 1:
-        results = [
-            _single(model, tokenizer, head, prompts[0], args, k, sampler, machine, refusal, controller)
-        ]
-    else:
-        results = _batched(model, tokenizer, head, prompts, args, k, sampler, refusal, controller)
+    try:
+        if not batched:
+            single = decode_single(
+                model, tokenizer, head, prompts[0], args, k, sampler, machine, refusal, controller, kv
+            )
+            results = [single]
+        else:
+            results = decode_batched(model, tokenizer, head, prompts, args, k, sampler, refusal, controller)
+    except (ValueError, NotImplementedError) as exc:  # an option mlx / mlx-lm reject at decode time
+        return _fail(f"decoding failed: {type(exc).__name__}: {exc}")
     common["depth"] = controller.k if controller is not None else None  # where the policy left k
     for i, result in enumerate(results):
         if args.json:
             print(json.dumps({"index": i, **result, **common}))
-        elif len(prompts) > 1:
+        elif len(results) > 1:
             print(result["text"])
     sys.stdout.flush()
     return EXIT_OK
 
 
-def _single(model, tokenizer, head, prompt, args, k, sampler, machine, refusal, controller) -> dict[str, Any]:
-    from melix_mlx.generate import mtp_stream_generate
+def _load_speculative(model_dir: Path, config: Any) -> tuple[Any, Any, Any]:
+    """(model, tokenizer, head): the MTP head, or a draft model in the head slot."""
+    from melix_fsm.config import Method
+    from melix_mlx.loading import load_with_heads
 
-    tokens: list[int] = []
-    text = ""
-    last = None
-    for r in mtp_stream_generate(
-        model,
-        tokenizer,
-        prompt,
-        head,
-        max_tokens=args.max_tokens,
-        num_draft_tokens=k,
-        sampler=sampler,
-        machine=machine,
-        refusal=refusal,
-        controller=controller,
-    ):
-        if r.finish_reason != "stop":
-            tokens.append(r.token)
-        text += r.text
-        if not args.json:
-            print(r.text, end="", flush=True)
-        last = r
-    if not args.json:
-        print()
-    assert last is not None
-    return {
-        "prompt": prompt,
-        "prompt_tokens": last.prompt_tokens,
-        "tokens": tokens,
-        "text": text,
-        "finish_reason": last.finish_reason,
-        "stats": last.stats,
-        "prompt_tps": last.prompt_tps,
-        "generation_tps": last.generation_tps,
-    }
+    if config.method is Method.draft_model:
+        from melix_mlx.draft_model import load_draft
 
-
-def _batched(model, tokenizer, head, prompts, args, k, sampler, refusal, controller) -> list[dict[str, Any]]:
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-    from melix_mlx.batch_generator import MTPBatchGenerator
-    from melix_mlx.generate import encode_prompt
-
-    wrapper = tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
-    encoded = [encode_prompt(wrapper, p).tolist() for p in prompts]
-    gen = MTPBatchGenerator(
-        model,
-        head,
-        num_draft_tokens=k,
-        max_tokens=args.max_tokens,
-        sampler=sampler,
-        stop_tokens=[[t] for t in wrapper.eos_token_ids],
-        refusal=refusal,
-        controller=controller,
-    )
-    results = [
-        {"prompt": p, "prompt_tokens": len(e), "tokens": [], "finish_reason": None, "stats": None}
-        for p, e in zip(prompts, encoded)
-    ]
-    index_of: dict[int, int] = {}
-    waiting = list(range(len(prompts)))
-    done = 0
-    step = 0
-    while done < len(prompts):
-        if waiting and (args.stagger == 0 or step % args.stagger == 0):
-            batch = waiting if args.stagger == 0 else waiting[:1]
-            for uid, i in zip(gen.insert([encoded[i] for i in batch]), batch):
-                index_of[uid] = i
-            waiting = waiting[len(batch) :]
-        _, generation = gen.next()
-        step += 1
-        for r in generation:
-            result = results[index_of[r.uid]]
-            if r.finish_reason != "stop":  # mlx-lm's batch_generate drops the stop token too
-                result["tokens"].append(r.token)
-            if r.finish_reason is not None:
-                result["finish_reason"] = r.finish_reason
-                result["stats"] = r.stats
-                done += 1
-    gen.close()
-    for result in results:
-        result["text"] = wrapper.decode(result["tokens"])
-    return results
+        model, tokenizer = _load_plain(model_dir)
+        head, _ = load_draft(config.draft_model, tokenizer)
+        return model, tokenizer, head
+    model, tokenizer, head, _ = load_with_heads(model_dir)
+    return model, tokenizer, head
