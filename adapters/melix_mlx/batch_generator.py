@@ -57,7 +57,7 @@ from melix_fsm.policy.controller import LiveController
 from melix_fsm.reasons import RefusalReason, reason_of, refusal_text
 from melix_fsm.report import RowReport, StepReport
 
-from . import ragged_kv, rollback
+from . import head_receipt, ragged_kv, rollback
 from .batch_rows import InsertRequest, MTPResponse, RowState
 from .engine import CycleEngine, RowHead, RowPlan, Settled, SpeculativeFault
 from .prefill import prefill_with_hidden
@@ -106,7 +106,7 @@ class MTPBatchGenerator:
         self._stream = stream or mx.default_stream(mx.default_device())
         self._default_stop = StopSequences(stop_tokens if stop_tokens else None)
         no_head = refusal_text(RefusalReason.unsupported_model, "no MTP head loaded")
-        self.refusal = refusal or (no_head if head is None else None)
+        self.refusal = refusal or (no_head if head is None else head_receipt.refusal(head))
         if self.refusal is None:
             self.refusal = rollback.refusal(make_prompt_cache(model, max_kv_size), model=model)
         self.batch = Batch()

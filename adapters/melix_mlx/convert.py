@@ -7,8 +7,10 @@ Rules:
 - The head is written to ``mtp.safetensors`` as ``melix_mtp.<head parameter name>``,
   already repaired (qwen3_5 norms +1, deepseek experts stacked and kv_b split), and
   ``config.json`` records ``melix_mtp`` = {format_version, family, file, norms_repaired:
-  true, head_dtype, quantized, quantization, layer_index, own_lm_head}. Loading reads
-  that record and never repairs again.
+  true, head_dtype, quantized, quantization, layer_index, head_layers, own_lm_head}.
+  Loading reads that record and never repairs again.
+- Every head layer the checkpoint ships is kept (a multi-layer head is written as
+  ``melix_mtp.heads.{j}.<param>``); ``layer=j`` keeps layer j alone.
 - The head stays unquantized when the main model is quantized unless
   ``quantize_head=True`` (quantizing it costs acceptance). Quantization only touches
   layers whose input dim ``q_group_size`` divides (tiny models: use 32 or 64).
@@ -51,7 +53,7 @@ def convert(
     *,
     dtype: str | None = None,
     quantize_head: bool = False,
-    layer: int = 0,
+    layer: int | None = None,
 ) -> Path:
     """Convert ``hf_dir`` into ``out_dir`` (must not exist or be empty); return ``out_dir``."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
@@ -101,7 +103,8 @@ def convert(
         "head_dtype": first_float,
         "quantized": quantize_head,
         "quantization": ({"group_size": q_group_size, "bits": q_bits} if quantize_head else None),
-        "layer_index": layer,
+        "layer_index": facts["layer_index"],
+        "head_layers": facts["head_layers"],
         "own_lm_head": facts["own_lm_head"],
         "source_format": facts["head_format"],
     }

@@ -45,7 +45,7 @@ from melix_fsm import lifecycle as lc
 from melix_fsm.lifecycle import SequenceMachine
 from melix_fsm.reasons import RefusalReason, reason_of, refusal_text
 
-from . import rollback
+from . import head_receipt, rollback
 from .engine import CycleEngine, Flight, RowHead, RowPlan, SpeculativeFault
 from .prefill import prefill_with_hidden
 from .sampling import SamplingParams, normalize_logits, params_of
@@ -125,6 +125,9 @@ class MTPDecoder:
     def _refusal_reason(self) -> str | None:
         if self.head is None:
             return refusal_text(RefusalReason.unsupported_model, "no MTP head loaded")
+        refused = head_receipt.refusal(self.head)  # the receipt loaded with the head refuses
+        if refused:
+            return refused
         if self.params is None:
             why = "unknown sampler: its distribution cannot be verified losslessly"
             return refusal_text(RefusalReason.unsupported_sampler, why)

@@ -303,8 +303,12 @@ class CycleEngine:
         ]
         qcols: list[list[mx.array | None]] = [[r.q for r in self.rows]]
         chained = mx.concatenate([blank_hidden if r.hidden is None else r.hidden for r in self.rows], axis=0)
-        for _ in range(1, K):
-            logits, chained = _forward(self.head, chained, columns[-1][:, None], self.head_cache)
+        chain_step = getattr(self.head, "chain_step", None)  # multi-layer heads: step i runs layer i
+        for i in range(1, K):
+            if chain_step is None:
+                logits, chained = _forward(self.head, chained, columns[-1][:, None], self.head_cache)
+            else:  # on the layer's own chain cache, outside the head cache
+                logits, chained = _forward(chain_step, i, chained, columns[-1][:, None])
             self.head_forwards += 1
             tokens, qs = self._draw(logits[:, -1], params)
             columns.append(tokens.astype(mx.uint32))
@@ -329,7 +333,7 @@ class CycleEngine:
         if armed:
             capture.select(armed, steps, accepted + 1)
         # 4. the head: drop the chained entries, catch up on the verified block, draft next
-        if K > 1:
+        if K > 1 and chain_step is None:
             rollback.trim_all(self.head_cache, K - 1)
         pos = mx.arange(K + 1)[None]
         padded = mx.concatenate([drafts, mx.zeros((B, 1), mx.uint32)], axis=1)

@@ -32,14 +32,17 @@ from mlx_lm.utils import _get_classes, infer_quant_config, load_config, load_mod
 
 from melix_fsm.checkpoint import safetensors_keys
 
+from . import head_receipt
 from .errors import HeadShapeMismatch, MissingHeadWeights, UnsupportedModel
 from .families import advertised_head_count, detect_family, family_entry, text_config
 from .heads import FAMILY_MODULES, HEAD_CLASSES, MTPHeadBase
+from .heads.stacked import StackedHead
 
 MELIX_KEY_PREFIX = "melix_mtp."
 MELIX_CONFIG_KEY = "melix_mtp"
 MELIX_FORMAT_VERSION = 1
 SIDECAR_NAME = "mtp.safetensors"
+STACKED_PREFIX = "heads."  # converted multi-layer heads: melix_mtp.heads.{j}.<param>
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,8 @@ class HeadInfo:
     family: str
     model_type: str
     advertised_layers: int
-    layer_index: int
+    layer_index: int  # the first head layer loaded
+    head_layers: int  # head layers loaded and run (draft step i runs layer min(i, head_layers - 1))
     head_format: str  # "hf" (raw upstream names) or "melix" (converted)
     source_files: tuple[str, ...]
     sidecar: bool  # some head tensors came from a file mlx-lm's glob skips
@@ -61,6 +65,8 @@ class HeadInfo:
     chain_post_norm: bool
     concat_order: str
     num_params: int
+    receipt: Any = None  # melix_fsm.receipt.Receipt resolved for this checkpoint
+    refusal: str | None = None  # "<reason>: <message>" when that receipt refuses speculation
 
 
 def _head_key_files(path: Path, config: dict[str, Any], family: str) -> dict[str, list[str]]:
@@ -76,9 +82,12 @@ def _head_key_files(path: Path, config: dict[str, Any], family: str) -> dict[str
 
 
 def _read_head_weights(
-    path: Path, config: dict[str, Any], family: str, layer: int
-) -> tuple[dict[str, mx.array], str, tuple[str, ...]]:
-    """Return (head parameter tensors, format, source files) or raise MissingHeadWeights."""
+    path: Path, config: dict[str, Any], family: str, layers: list[int] | None
+) -> tuple[dict[int, dict[str, mx.array]], str, tuple[str, ...]]:
+    """Return ({layer: head parameter tensors}, format, source files) or raise MissingHeadWeights.
+
+    ``layers`` None: every layer the checkpoint holds (raw HF: every advertised layer).
+    """
     files = _head_key_files(path, config, family)
     melix = config.get(MELIX_CONFIG_KEY)
     want_melix = isinstance(melix, dict) and melix.get("norms_repaired", False)
@@ -101,15 +110,41 @@ def _read_head_weights(
         tensors = mx.load(str(path / name))
         raw.update({k: tensors[k] for k in keys})
     if fmt == "melix":
-        weights = {k[len(MELIX_KEY_PREFIX) :]: v for k, v in raw.items()}
-    else:
-        weights = FAMILY_MODULES[family].from_hf(raw, text_config(config), layer=layer)
-        if not weights:
+        return (
+            _split_melix({k[len(MELIX_KEY_PREFIX) :]: v for k, v in raw.items()}, layers, path),
+            fmt,
+            tuple(selected),
+        )
+    wanted = layers if layers is not None else list(range(max(advertised_head_count(config), 1)))
+    out: dict[int, dict[str, mx.array]] = {}
+    for j in wanted:
+        out[j] = FAMILY_MODULES[family].from_hf(raw, text_config(config), layer=j)
+        if not out[j]:
             raise MissingHeadWeights(
-                f"{path}: no tensors for MTP layer {layer}",
-                details={"path": str(path), "layer": layer},
+                f"{path}: no tensors for MTP layer {j}",
+                details={"path": str(path), "layer": j},
             )
-    return weights, fmt, tuple(selected)
+    return out, fmt, tuple(selected)
+
+
+def _split_melix(
+    weights: dict[str, mx.array], layers: list[int] | None, path: Path
+) -> dict[int, dict[str, mx.array]]:
+    """Converted tensors: ``heads.{j}.<param>`` for a multi-layer head, ``<param>`` for one layer."""
+    if not any(k.startswith(STACKED_PREFIX) for k in weights):
+        return {0: weights}
+    out: dict[int, dict[str, mx.array]] = {}
+    for key, value in weights.items():
+        idx, _, rest = key[len(STACKED_PREFIX) :].partition(".")
+        out.setdefault(int(idx), {})[rest] = value
+    if layers is None:
+        return dict(sorted(out.items()))
+    missing = [j for j in layers if j not in out]
+    if missing:
+        raise MissingHeadWeights(
+            f"{path}: converted head has no layer(s) {missing}", details={"missing": missing}
+        )
+    return {j: out[j] for j in layers}
 
 
 def _stripping_classes(family: str, config: dict[str, Any]):
@@ -180,17 +215,42 @@ def quantize_head_module(head: nn.Module, group_size: int, bits: int) -> None:
     nn.quantize(head, group_size=group_size, bits=bits, class_predicate=predicate)
 
 
+def _build_layer(
+    model: nn.Module, family: str, weights: dict[str, mx.array], own_lm_head: bool | None, path: Path
+) -> tuple[MTPHeadBase, bool, bool]:
+    """One head layer from its tensors: (head, uses its own lm_head, stored quantized)."""
+    has_own = any(k.startswith("shared_head.head.") for k in weights)
+    own = has_own if own_lm_head is None else (own_lm_head and has_own)
+    if not own:
+        weights = {k: v for k, v in weights.items() if not k.startswith("shared_head.head.")}
+    head = HEAD_CLASSES[family].from_model(model, own_lm_head=own)
+    stored_quantized = any(k.endswith(".scales") for k in weights)
+    if stored_quantized:
+
+        def predicate(p: str, m: nn.Module) -> Any:
+            if f"{p}.scales" not in weights or not hasattr(m, "to_quantized"):
+                return False
+            return infer_quant_config(p, m, weights)
+
+        nn.quantize(head, class_predicate=predicate)
+    _validate(head, weights, path)
+    head.load_weights(list(weights.items()), strict=True)
+    return head, own, stored_quantized
+
+
 def build_head(
     model: nn.Module,
     path: str | Path,
     config: dict[str, Any] | None = None,
     *,
-    layer: int = 0,
+    layer: int | None = None,
     own_lm_head: bool | None = None,
     lazy: bool = False,
-) -> tuple[MTPHeadBase, dict[str, Any]]:
+) -> tuple[MTPHeadBase | StackedHead, dict[str, Any]]:
     """Build the head for an already loaded ``model`` from the checkpoint at ``path``.
 
+    ``layer`` None loads every head layer the checkpoint ships (a ``StackedHead`` when
+    there are several: draft step i runs layer i); an int loads that one layer alone.
     Returns ``(head, facts)``; ``facts`` feeds ``HeadInfo``. Raises ``HeadLoadError``s.
     """
     path = Path(path)
@@ -203,28 +263,11 @@ def build_head(
             f"{path}: config advertises no MTP head ({family})",
             details={"family": family},
         )
-    if layer >= max(advertised, 1):
+    if layer is not None and layer >= max(advertised, 1):
         raise UnsupportedModel(f"{path}: MTP layer {layer} not advertised ({advertised})")
-    weights, fmt, files = _read_head_weights(path, config, family, layer)
-
-    has_own = any(k.startswith("shared_head.head.") for k in weights)
-    own = has_own if own_lm_head is None else (own_lm_head and has_own)
-    if not own:
-        weights = {k: v for k, v in weights.items() if not k.startswith("shared_head.head.")}
-    head = HEAD_CLASSES[family].from_model(model, own_lm_head=own)
-
-    stored_quantized = any(k.endswith(".scales") for k in weights)
-    if stored_quantized:
-
-        def predicate(p: str, m: nn.Module) -> Any:
-            if f"{p}.scales" not in weights or not hasattr(m, "to_quantized"):
-                return False
-            return infer_quant_config(p, m, weights)
-
-        nn.quantize(head, class_predicate=predicate)
-
-    _validate(head, weights, path)
-    head.load_weights(list(weights.items()), strict=True)
+    per_layer, fmt, files = _read_head_weights(path, config, family, None if layer is None else [layer])
+    built = [_build_layer(model, family, w, own_lm_head, path) for w in per_layer.values()]
+    head: MTPHeadBase | StackedHead = built[0][0] if len(built) == 1 else StackedHead([b[0] for b in built])
     head.eval()
     if not lazy:
         mx.eval(head.parameters())
@@ -232,13 +275,14 @@ def build_head(
         "family": family,
         "model_type": str(config.get("model_type")),
         "advertised_layers": advertised,
-        "layer_index": layer,
+        "layer_index": next(iter(per_layer)),
+        "head_layers": len(built),
         "head_format": fmt,
         "source_files": files,
         "sidecar": any(not f.startswith("model") for f in files),
         "norms_repaired_on_load": family_entry(config).norm_repair == "plus_one" and fmt == "hf",
-        "own_lm_head": own,
-        "stored_quantized": stored_quantized,
+        "own_lm_head": built[0][1],
+        "stored_quantized": built[0][2],
     }
     return head, facts
 
@@ -253,22 +297,28 @@ def _first_float_dtype(head: nn.Module) -> str:
 def load_with_heads(
     path: str | Path,
     *,
-    layer: int = 0,
+    layer: int | None = None,
     quantize_head: bool = False,
     q_bits: int | None = None,
     q_group_size: int | None = None,
     own_lm_head: bool | None = None,
     lazy: bool = False,
     tokenizer_config: dict[str, Any] | None = None,
-) -> tuple[nn.Module, Any, MTPHeadBase, HeadInfo]:
+) -> tuple[nn.Module, Any, MTPHeadBase | StackedHead, HeadInfo]:
     """Load ``(model, tokenizer, head, info)`` from a local checkpoint directory.
 
     ``quantize_head`` quantizes a float-stored head with ``q_bits``/``q_group_size``
     (default: the main model's quantization, else 4 bits / 64). ``own_lm_head``
     (deepseek_v3 only) chooses the head's own ``shared_head.head`` (default when stored)
-    or the main lm_head.
+    or the main lm_head. ``layer`` None loads every head layer (see ``build_head``).
+
+    The checkpoint's receipt (``info.receipt``) is resolved first and attached to the
+    head: where it refuses, the decoders decode plainly with its typed reason.
     """
+    from melix_fsm.receipt import resolve
+
     path = Path(path)
+    receipt = resolve(path)
     config = load_config(path)
     family = detect_family(config)
     if advertised_head_count(config) <= 0 and not config.get(MELIX_CONFIG_KEY):
@@ -293,12 +343,13 @@ def load_with_heads(
         )
         if not lazy:
             mx.eval(head.parameters())
-    head_cls = type(head)
+    head_receipt.attach(head, receipt)
     info = HeadInfo(
         family=facts["family"],
         model_type=facts["model_type"],
         advertised_layers=facts["advertised_layers"],
-        layer_index=layer,
+        layer_index=facts["layer_index"],
+        head_layers=facts["head_layers"],
         head_format=facts["head_format"],
         source_files=facts["source_files"],
         sidecar=facts["sidecar"],
@@ -307,8 +358,10 @@ def load_with_heads(
         head_quantized=facts["stored_quantized"] or quantize_head,
         main_quantized=bool(main_quant),
         own_lm_head=facts["own_lm_head"],
-        chain_post_norm=head_cls.CHAIN_POST_NORM,
-        concat_order=head_cls.CONCAT_ORDER,
+        chain_post_norm=head.CHAIN_POST_NORM,
+        concat_order=head.CONCAT_ORDER,
         num_params=sum(v.size for _, v in tree_flatten(head.parameters())),
+        receipt=receipt,
+        refusal=head_receipt.of_receipt(receipt),
     )
     return model, tokenizer, head, info

@@ -133,6 +133,15 @@ FAMILIES = tuple(_BASE_CONFIGS)  # the core families every decode test runs over
 # families whose fixtures live in melix_mlx.tiny_moe (their own tests: test_families*.py)
 MORE_FAMILIES = ("glm4_moe", "qwen3_5_moe", "qwen3_next")
 ALL_FAMILIES = FAMILIES + MORE_FAMILIES
+# the config key each family's head count is written under (``mtp_layers``)
+HEAD_COUNT_KEY = {
+    "qwen3_5": "mtp_num_hidden_layers",
+    "qwen3_5_moe": "mtp_num_hidden_layers",
+    "qwen3_next": "mtp_num_hidden_layers",
+    "deepseek_v3": "num_nextn_predict_layers",
+    "glm4_moe": "num_nextn_predict_layers",
+    "mimo": "num_nextn_predict_layers",
+}
 
 
 class _Init:
@@ -373,15 +382,21 @@ def make_tiny(
     *,
     head_in_sidecar: bool | None = None,
     dtype: str = "float32",
+    mtp_layers: int | None = None,
     **overrides: Any,
 ) -> Path:
     """Write a tiny random checkpoint of ``family`` into ``out_dir`` and return the path.
 
     ``overrides`` replace language-model config keys (``text_config`` for qwen3_5), e.g.
-    ``hidden_size=32`` or ``num_hidden_layers=2``.
+    ``hidden_size=32`` or ``num_hidden_layers=2``. ``mtp_layers`` sets the head count
+    (written under the family's own key; every layer gets its own tensors).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if mtp_layers is not None:
+        if mtp_layers < 1:
+            raise ValueError(f"mtp_layers must be >= 1, got {mtp_layers}")
+        overrides[HEAD_COUNT_KEY[family]] = mtp_layers
     config, text = _config_for(family, overrides)
     text_dtype_key = "dtype" if "text_config" in config else "torch_dtype"
     text[text_dtype_key] = dtype

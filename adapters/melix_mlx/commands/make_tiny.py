@@ -3,7 +3,8 @@
 Rules of this module:
 - A thin front for `melix_mlx.tiny.make_tiny` (seeded, deterministic weights, MTP head
   included, byte-level tokenizer); prints the output directory.
-- Exit status: 0 written, 2 usage error (unknown family, OUT_DIR not writable).
+- Exit status: 0 written, 2 usage error (unknown family, OUT_DIR not writable,
+  --mtp-layers below 1).
 - The family list is repeated here so `register` does not import mlx; `run` checks it
   against `melix_mlx.tiny.FAMILIES`.
 """
@@ -27,6 +28,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("out_dir", metavar="OUT_DIR")
     parser.add_argument("--seed", type=int, default=0, metavar="S")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument(
+        "--mtp-layers", type=int, default=None, metavar="N", help="MTP head layers to write (default: 1)"
+    )
     parser.set_defaults(run=run)
 
 
@@ -37,8 +41,13 @@ def run(args: argparse.Namespace) -> int:
     if args.family not in BUILT:  # the two lists drifted apart
         print(f"melix-fsm make-tiny: error: unknown family {args.family!r}", file=sys.stderr)
         return 2
+    if args.mtp_layers is not None and args.mtp_layers < 1:
+        print("melix-fsm make-tiny: error: --mtp-layers must be >= 1", file=sys.stderr)
+        return 2
     try:
-        out = make_tiny(args.family, args.out_dir, seed=args.seed, dtype=args.dtype)
+        out = make_tiny(
+            args.family, args.out_dir, seed=args.seed, dtype=args.dtype, mtp_layers=args.mtp_layers
+        )
     except OSError as exc:
         print(f"melix-fsm make-tiny: error: {exc}", file=sys.stderr)
         return 2

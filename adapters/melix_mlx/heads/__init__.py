@@ -24,6 +24,11 @@ Class constants: ``FAMILY``, ``CHAIN_POST_NORM`` (qwen3_5 / qwen3_5_moe / qwen3_
 mimo True, deepseek_v3 / glm4_moe False), ``CONCAT_ORDER`` ("hidden_first" for mimo,
 "embedding_first" for the rest), ``NUM_LAYERS`` (layers in the head's cache list: 1).
 
+Multi-layer checkpoints load as ``stacked.StackedHead`` (one single-layer head per trained
+layer): its ``__call__`` and ``make_cache`` are layer 0's, and ``chain_step(i, hidden,
+tokens)`` runs draft step i >= 1 on layer ``min(i, N - 1)``; the engine calls
+``chain_step`` when a head has one.
+
 The embedding and (except DeepSeek's own ``shared_head.head``) the lm_head are the main
 model's modules, held by reference, outside ``head.parameters()``.
 
