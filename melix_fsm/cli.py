@@ -20,6 +20,7 @@ from collections.abc import Sequence
 # Listed in the order `--help` shows them.
 COMMAND_MODULES: tuple[str, ...] = (
     "melix_mlx.commands.generate",
+    "melix_mlx.commands.serve",
     "melix_fsm.commands.receipt",
     "melix_mlx.commands.calibrate",
     "melix_mlx.commands.bench",

@@ -1,10 +1,12 @@
 """Batched MTP: a drop-in for mlx-lm's `BatchGenerator` where every row drafts and verifies.
 
 Rules of this module:
-- Same surface as `mlx_lm.generate.BatchGenerator` (0.32): `insert`, `remove`, `next`,
-  `next_generated`, `stats`, `close`, `extract_cache`. One `next()` may return several
-  responses for the same uid (every token a verify accepted, in order); each response
-  carries `from_draft`, and a finishing response carries the row's speculative stats.
+- Same surface as `mlx_lm.generate.BatchGenerator` (0.32): `insert`, `insert_segments`,
+  `remove`, `next`, `next_generated`, `stats`, `close`, `extract_cache`,
+  `prompt_cache_nbytes` (the server-facing parts live in melix_mlx.batch_surface).
+  One `next()` may return several responses for the same uid (every token a verify
+  accepted, in order); each response carries `from_draft`, and a finishing response
+  carries the row's speculative stats.
 - Row i of `self.batch` (a melix_fsm Batch) is row i of the main cache and of the head
   cache. Joining rows are prefilled alone (which also primes their head cache from the
   prompt) and appended with `extend`; leaving rows go with one `filter`. A row's
@@ -59,13 +61,14 @@ from melix_fsm.report import RowReport, StepReport
 
 from . import head_receipt, ragged_kv, rollback
 from .batch_rows import InsertRequest, MTPResponse, RowState
+from .batch_surface import BatchSurface
 from .engine import CycleEngine, RowHead, RowPlan, Settled, SpeculativeFault
 from .prefill import prefill_with_hidden
 from .sampling import normalize_logits, params_of
 from .token_history import TokenHistory
 
 
-class MTPBatchGenerator:
+class MTPBatchGenerator(BatchSurface):
     """Continuous batching with MTP speculation in every row; see the module rules."""
 
     def __init__(
@@ -126,6 +129,7 @@ class MTPBatchGenerator:
         self._last_step_end: float | None = None
         self._admitted_since = False
         self._retired_counters: dict[Any, Any] = {}
+        self._init_surface()
 
     # -- mlx-lm surface --------------------------------------------------------------
     @property
@@ -151,10 +155,6 @@ class MTPBatchGenerator:
     @property
     def stream(self) -> Any:
         return self._stream
-
-    def close(self) -> None:
-        """Drop a step launched ahead (kept otherwise for BatchGenerator parity)."""
-        self._ahead = None
 
     @contextlib.contextmanager
     def stats(self) -> Iterator[BatchStats]:
@@ -246,17 +246,13 @@ class MTPBatchGenerator:
         out = {}
         for r in self._queue:
             if r.uid in uids:
-                out[r.uid] = (r.cache, r.all_tokens)
+                out[r.uid] = self._queued_cache(r)
         ahead = self._ahead is not None  # a plain step running ahead already fed each row's y
         for i, row in enumerate(self.batch):
             if row.uid in uids:
                 tokens = list(row.payload.context) + ([row.payload.y] if ahead else [])
                 out[row.uid] = ([c.extract(i) for c in self.cache], tokens)
         return out
-
-    @property
-    def prompt_cache_nbytes(self) -> int:
-        return sum(c.nbytes for c in self.cache) + sum(c.nbytes for c in self.head_cache)
 
     def next(self) -> tuple[list[PromptProcessingBatch.Response], list[MTPResponse]]:
         with mx.stream(self._stream):
@@ -277,7 +273,8 @@ class MTPBatchGenerator:
                 self._counters.decode_time += time.perf_counter() - tic
                 self._counters.generation_tokens += len(generation)
                 self._counters.generation_steps += 1
-            prompt_responses = self._admit(generation)
+            prompt_responses = self._prefill_segments()
+            prompt_responses += self._admit(generation)
             if self._joined:
                 self._admitted_since = True  # the next period includes this prefill
             self._launch_plain_ahead()
@@ -295,6 +292,7 @@ class MTPBatchGenerator:
                 left=list(self._left),
                 order=self.batch.uids,
             )
+            self._drain_failures((prompt_responses, generation))
             return prompt_responses, generation
 
     def _record(self, uid: Any, signal: Signal) -> None:
@@ -375,16 +373,16 @@ class MTPBatchGenerator:
 
     # -- admission -------------------------------------------------------------------
     def _admit(self, out: list[MTPResponse]) -> list[PromptProcessingBatch.Response]:
-        room = self.completion_batch_size - len(self.batch)
-        n = min(self.prefill_batch_size, room, len(self._queue))
-        if n <= 0:
-            return []
+        ready = self._pop_ready(min(self.prefill_batch_size, self.completion_batch_size - len(self.batch)))
         joining = Batch()
         caches, head_caches, heads, ys, responses = [], [], [], [], []
         tic = time.perf_counter()
-        for _ in range(n):
-            request = self._queue.popleft()
-            row, cache, head_cache, head = self._prefill(request)
+        for request in ready:
+            try:
+                row, cache, head_cache, head = self._prefill(request)
+            except Exception as exc:  # that request only (melix_mlx.batch_surface)
+                self._fail(request, exc)
+                continue
             joining.extend([request.uid], payloads=[row])
             resolution = (
                 lc.ADMIT if row.refusal is None else Signal(event=lc.REFUSE.event, reason=row.refusal)
@@ -399,6 +397,8 @@ class MTPBatchGenerator:
             total = len(request.all_tokens) + len(request.prompt)
             responses.append(PromptProcessingBatch.Response(request.uid, (total, total), True, True))
         self._counters.prompt_time += time.perf_counter() - tic
+        if not ys:
+            return responses
         engine = self.engine
         engine.cache = _extend_cache(engine.cache, ragged_kv.adopt(_merge_caches(caches)))
         if self.head is not None:
@@ -423,6 +423,7 @@ class MTPBatchGenerator:
         cache = request.cache or make_prompt_cache(self.model, self.max_kv_size)
         prompt = mx.array(request.prompt)
         logits, hiddens = prefill_with_hidden(self.model, prompt, cache, self.prefill_step_size)
+        hiddens, fed = self._whole_prompt(request, hiddens)  # earlier segments included
         context = request.all_tokens + request.prompt
         state = RowState(
             context=context,
@@ -450,7 +451,7 @@ class MTPBatchGenerator:
         if self.head is not None and not getattr(self.controller, "disabled", False):
             # Every row's head follows its context (even a refused row's: batch shapes stay
             # uniform); pairs (h_i, t_{i+1}) of the prompt prime it and draft the first cycle.
-            head = self.engine.prime(head_cache, hiddens, [*request.prompt[1:], state.y], state.params)
+            head = self.engine.prime(head_cache, hiddens, [*fed[1:], state.y], state.params)
             mx.eval([c.state for c in head_cache], head.draft)
         mx.eval([c.state for c in cache])
         return state, cache, head_cache, head

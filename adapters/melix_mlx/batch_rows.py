@@ -12,7 +12,7 @@ Rules of this module:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -65,3 +65,6 @@ class InsertRequest:
     processors: tuple
     stop: StopSequences
     k: int
+    segments: list[list[int]] = field(default_factory=list)  # non-final segments not yet prefilled
+    prefilled: list[int] = field(default_factory=list)  # segment tokens prefilled (in all_tokens too)
+    hiddens: list[mx.array] = field(default_factory=list)  # their hidden states, to prime the head

@@ -1,0 +1,184 @@
+"""The parts of mlx-lm's `BatchGenerator` surface that servers drive, for MTPBatchGenerator.
+
+Rules of this module:
+- `BatchSurface` is a mixin of `melix_mlx.batch_generator.MTPBatchGenerator`; it holds
+  no decoding logic, only the surface around it: `insert_segments`, `close` (restores
+  the wired limit set at construction, as mlx-lm's generator does), `prompt_cache_nbytes`,
+  the segment stage of prefill, and per-request failure isolation.
+- Segments: `insert_segments` keeps a request's prompt segments apart. Each `next()`
+  prefills at most ONE pending non-final segment per queued request into the request's
+  own cache and reports it as a prompt response with `end_of_segment` and not
+  `end_of_prompt`; until the following `next()` the request is held back from admission,
+  so `extract_cache(uid)` returns a copy of the cache at exactly that boundary (a server
+  stores it as a reusable prefix). The hidden states of every prefilled segment are kept
+  with the request, so the MTP head is primed from the whole prompt, as without segments.
+  The last segment is prefilled at admission as a plain prompt is: chunking equals
+  mlx-lm's (each segment in `prefill_step_size` chunks, the last token alone).
+- Prompt caches in: a request's cache (with `all_tokens`, the tokens it already holds)
+  continues from there. The head cache is not part of a prompt cache: the head is primed
+  from the uncached suffix only, which can lower acceptance on the first cycles and never
+  changes a token (verification is exact).
+- Failures: an exception while prefilling one request drops that request only; the other
+  joining rows are admitted and the batch stays consistent. At the end of that `next()`
+  `on_failures` runs; by default it raises `RequestFailed` carrying every failure and the
+  call's responses (nothing is lost). A server overrides it to answer those requests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import PromptProcessingBatch
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import maybe_set_recommended_wired_limit
+
+from melix_fsm.errors import MelixError
+
+from .batch_rows import InsertRequest
+from .hidden import forward_with_hidden
+
+
+class RequestFailed(MelixError):
+    """One or more requests failed while being prefilled; the others continue."""
+
+    def __init__(self, failures: dict[int, BaseException], responses: tuple[list, list]) -> None:
+        detail = "; ".join(f"{uid}: {type(e).__name__}: {e}" for uid, e in failures.items())
+        super().__init__(f"requests failed and were dropped ({detail})")
+        self.failures = failures
+        self.responses = responses
+
+
+def feed_segment(model: Any, tokens: list[int], cache: list[Any], step_size: int) -> mx.array:
+    """Prefill a whole non-final segment in `step_size` chunks; its hidden states [n, D]."""
+    hiddens = []
+    for start in range(0, len(tokens), step_size):
+        _, h = forward_with_hidden(model, mx.array(tokens[start : start + step_size])[None], cache)
+        mx.eval(h, [c.state for c in cache])
+        hiddens.append(h[0])
+    return mx.concatenate(hiddens, axis=0)
+
+
+class BatchSurface:
+    """Mixin: mlx-lm's server-facing BatchGenerator surface; see the module rules."""
+
+    # provided by MTPBatchGenerator
+    model: Any
+    cache: list[Any]
+    head_cache: list[Any]
+    prefill_batch_size: int
+    prefill_step_size: int
+    max_kv_size: int | None
+    _queue: Any
+    _stream: Any
+    _ahead: Any
+    _counters: Any
+
+    def _init_surface(self) -> None:
+        self._old_wired_limit = maybe_set_recommended_wired_limit()
+        self._held: set[int] = set()  # reported a segment boundary in the latest next()
+        self._failures: dict[int, BaseException] = {}
+
+    # -- lifetime --------------------------------------------------------------------
+    def close(self) -> None:
+        """Drop a step launched ahead and restore the wired limit set at construction."""
+        self._ahead = None
+        if getattr(self, "_old_wired_limit", None) is not None:
+            mx.synchronize(self._stream)
+            mx.set_wired_limit(self._old_wired_limit)
+            self._old_wired_limit = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    # -- insertion -------------------------------------------------------------------
+    def insert_segments(
+        self,
+        segments: list[list[list[int]]],
+        max_tokens: list[int] | None = None,
+        caches: list[list[Any]] | None = None,
+        all_tokens: list[list[int]] | None = None,
+        samplers: list[Any] | None = None,
+        logits_processors: list[list[Any]] | None = None,
+        stop_sequences: list[Any] | None = None,
+        num_draft_tokens: list[int] | None = None,
+    ) -> list[int]:
+        """`insert` with each prompt given as segments (prefix boundaries kept apart)."""
+        kept = [[list(s) for s in seq if len(s)] for seq in segments]
+        prompts = [[t for s in seq for t in s] for seq in kept]
+        uids = self.insert(  # type: ignore[attr-defined]
+            prompts, max_tokens, caches, all_tokens, samplers, logits_processors, stop_sequences,
+            num_draft_tokens,
+        )
+        by_uid = {r.uid: r for r in self._queue}
+        for uid, seq in zip(uids, kept):
+            if len(seq) > 1:
+                request = by_uid[uid]
+                request.segments = seq[:-1]
+                request.prompt = seq[-1]
+        return uids
+
+    @property
+    def prompt_cache_nbytes(self) -> int:
+        queued = sum(c.nbytes for r in self._queue if r.cache for c in r.cache)
+        return queued + sum(c.nbytes for c in self.cache) + sum(c.nbytes for c in self.head_cache)
+
+    def _queued_cache(self, request: InsertRequest) -> tuple[list[Any] | None, list[int]]:
+        """A queued request's cache and tokens; a copy, since its prefill goes on in place."""
+        return (copy.deepcopy(request.cache) if request.cache else request.cache), list(request.all_tokens)
+
+    # -- the segment stage -----------------------------------------------------------
+    def _prefill_segments(self) -> list[PromptProcessingBatch.Response]:
+        """Prefill one pending segment of up to `prefill_batch_size` queued requests."""
+        self._held = set()
+        responses = []
+        for request in [r for r in self._queue if r.segments][: self.prefill_batch_size]:
+            segment = request.segments.pop(0)
+            try:
+                if request.cache is None:
+                    request.cache = make_prompt_cache(self.model, self.max_kv_size)
+                self._counters.prompt_tokens += len(segment)
+                hidden = feed_segment(self.model, segment, request.cache, self.prefill_step_size)
+            except Exception as exc:  # this request only: it leaves the queue
+                self._fail(request, exc)
+                continue
+            request.hiddens.append(hidden)
+            request.prefilled.extend(segment)
+            request.all_tokens.extend(segment)
+            self._held.add(request.uid)
+            total = len(request.all_tokens) + sum(map(len, request.segments)) + len(request.prompt)
+            progress = (len(request.all_tokens), total)
+            responses.append(PromptProcessingBatch.Response(request.uid, progress, True, False))
+        return responses
+
+    def _pop_ready(self, n: int) -> list[InsertRequest]:
+        """Take up to `n` queued requests whose remaining prompt is one segment."""
+        ready = [r for r in self._queue if not r.segments and r.uid not in self._held][: max(n, 0)]
+        if ready:
+            taken = {r.uid for r in ready}
+            self._queue = type(self._queue)(r for r in self._queue if r.uid not in taken)
+        return ready
+
+    @staticmethod
+    def _whole_prompt(request: InsertRequest, hiddens: mx.array) -> tuple[mx.array, list[int]]:
+        """Hidden states and tokens of every segment prefilled for this request, in order."""
+        if not request.hiddens:
+            return hiddens, request.prompt
+        return mx.concatenate([*request.hiddens, hiddens], axis=0), request.prefilled + request.prompt
+
+    # -- failures --------------------------------------------------------------------
+    def _fail(self, request: InsertRequest, exc: BaseException) -> None:
+        self._queue = type(self._queue)(r for r in self._queue if r.uid != request.uid)
+        self._failures[request.uid] = exc
+
+    def _drain_failures(self, responses: tuple[list, list]) -> None:
+        if self._failures:
+            failures, self._failures = self._failures, {}
+            self.on_failures(failures, responses)
+
+    def on_failures(self, failures: dict[int, BaseException], responses: tuple[list, list]) -> None:
+        """Called at the end of a `next()` in which requests failed; see the module rules."""
+        raise RequestFailed(failures, responses)

@@ -1,0 +1,97 @@
+"""`melix-fsm serve`: an OpenAI-compatible HTTP server decoding with batched MTP.
+
+Rules of this module:
+- Endpoints are mlx-lm's server's (/v1/completions, /v1/chat/completions, streaming or
+  not, /v1/models, /health) plus GET /v1/melix/receipt and GET /metrics
+  (melix_mlx.serve). Concurrent requests are continuously batched with MTP on.
+- The model is `--model DIR` or an embedded alias, default stdlib-tiny. The receipt is
+  resolved before the weights are read; a refusal serves plainly and says so in the
+  receipt endpoint and in every response's usage.
+- Exit status (melix_fsm.cli): 0 after Ctrl-C, 2 usage error or unreadable checkpoint.
+  mlx is imported inside `run` only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+EXIT_OK, EXIT_USAGE = 0, 2
+PROG = "melix-fsm serve"
+
+
+def register(subparsers: Any) -> None:
+    from melix_fsm.config import int_or_auto  # cheap: no mlx
+
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible API with batched MTP decoding",
+        description="An OpenAI-compatible HTTP server (mlx-lm's) whose batches decode with the "
+        "checkpoint's MTP head. Exit 0 after Ctrl-C, 2 usage error or unreadable checkpoint.",
+    )
+    parser.add_argument(
+        "--model", default=None, metavar="DIR",
+        help="checkpoint directory or embedded name (stdlib-tiny, stdlib-hybrid; default: stdlib-tiny)",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--num-draft-tokens", type=int_or_auto, default=None, metavar="K|auto")
+    parser.add_argument("--device-policy", choices=["auto", "force_on", "force_off"], default=None)
+    parser.add_argument("--max-batch-size", type=int, default=32, metavar="N", help="rows decoded together")
+    parser.add_argument(
+        "--max-tokens-limit", type=int, default=1 << 16, metavar="N", help="the largest max_tokens accepted"
+    )
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.set_defaults(run=run)
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_batch_size < 1:
+        return _fail("--max-batch-size must be >= 1")
+    if args.max_tokens_limit < 1:
+        return _fail("--max-tokens-limit must be >= 1")
+    if not 0 <= args.port < 65536:
+        return _fail("--port must be within [0, 65535]")
+    import logging
+
+    from melix_mlx.serve.app import start_server
+    from melix_mlx.serve.provider import ServeError, load_served_model
+
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(message)s")
+    try:
+        served = load_served_model(args.model, args.num_draft_tokens, args.device_policy)
+    except ServeError as exc:
+        return _fail(str(exc))
+    names = (args.model,) if args.model else ("stdlib-tiny",)
+    try:
+        server = start_server(
+            served,
+            host=args.host,
+            port=args.port,
+            max_batch_size=args.max_batch_size,
+            max_tokens_limit=args.max_tokens_limit,
+            names=names,
+            background=False,
+        )
+    except OSError as exc:
+        return _fail(f"cannot listen on {args.host}:{args.port}: {exc}")
+    note = f" (refused: {served.refusal})" if served.refusal else ""
+    print(
+        f"{PROG}: {served.path} on {server.url} method={served.method}{note} "
+        f"k={served.num_draft_tokens} max_batch_size={args.max_batch_size}",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return EXIT_OK

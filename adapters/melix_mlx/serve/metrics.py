@@ -1,0 +1,121 @@
+"""Prometheus metrics of one server (GET /metrics), with prometheus_client.
+
+Rules of this module:
+- One `ServeMetrics` per server, on its own `CollectorRegistry` (two servers in one
+  process never share counters).
+- The generation thread is the only writer: `observe_step` after every generator step
+  reads the step's lifecycle report (melix_fsm.report.StepReport) — drafts proposed,
+  drafts accepted, tokens emitted — and the rows' states; `observe_rows` after a removal.
+  Policy decisions are read from the live controller's own counters at scrape time, so
+  they never disagree with the controller.
+- Tokens/s is measured over a sliding window of recent steps (wall time between steps),
+  not predicted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from melix_fsm import lifecycle as lc
+from melix_fsm.lifecycle import State
+
+WINDOW_S = 5.0  # tokens/s is measured over the steps of the last WINDOW_S seconds
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _PolicyCollector:
+    """The live controller's decision counters, read when scraped."""
+
+    def __init__(self, controller: Any) -> None:
+        self.controller = controller
+
+    def collect(self) -> Iterator[Any]:
+        decisions = CounterMetricFamily(
+            "melix_policy_decisions", "Device-policy decisions of the live controller", labels=["decision"]
+        )
+        speculating = GaugeMetricFamily(
+            "melix_policy_speculating", "1 while the live policy lets rows speculate, else 0"
+        )
+        counters = getattr(self.controller, "counters", None)
+        if counters is not None:
+            decisions.add_metric(["suspend"], counters.suspend_decisions)
+            decisions.add_metric(["resume"], counters.resume_decisions)
+            speculating.add_metric([], 1.0 if self.controller.speculating else 0.0)
+        yield decisions
+        yield speculating
+
+
+class ServeMetrics:
+    def __init__(self, controller: Any = None, method: str = "mtp") -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.proposed = Counter("melix_speculative_proposed_tokens", "Draft tokens proposed", registry=r)
+        self.accepted = Counter("melix_speculative_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.rejected = Counter("melix_speculative_rejected_tokens", "Draft tokens rejected", registry=r)
+        self.generated = Counter("melix_generated_tokens", "Tokens generated (all rows)", registry=r)
+        self.prompt_tokens = Counter("melix_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.failures = Counter("melix_request_failures", "Requests ended by an error", registry=r)
+        self.acceptance = Gauge(
+            "melix_speculative_acceptance_rate", "Accepted over verified drafts since start (NaN before)",
+            registry=r,
+        )
+        self.tokens_per_second = Gauge(
+            "melix_generation_tokens_per_second", f"Tokens/s over the last {WINDOW_S:g} s", registry=r
+        )
+        self.rows = Gauge("melix_batch_rows", "Rows in the batch, by lifecycle state", ["state"], registry=r)
+        self.info = Gauge("melix_speculation_method", "1 for the method this server decodes with", ["method"],
+                          registry=r)
+        self.info.labels(method=method).set(1)
+        self.acceptance.set(float("nan"))
+        for state in ("speculating", "suspended", "plain"):
+            self.rows.labels(state=state).set(0)
+        r.register(_PolicyCollector(controller))
+        self._window: deque[tuple[float, int]] = deque()
+        self._verified = [0, 0]  # accepted, accepted + rejected
+
+    def observe_step(self, report: Any, tokens: int, prompt_tokens: int, rows: Any) -> None:
+        for row in report.rows:
+            pending = 0
+            for signal in row.events:
+                if signal.event is lc.Event("draft"):
+                    self.proposed.inc(signal.drafts)
+                    pending = signal.drafts
+                elif signal.event is lc.Event("verified"):
+                    self.accepted.inc(signal.accepted)
+                    self._verified[0] += signal.accepted
+                    rejected, pending = max(0, pending - signal.accepted), 0
+                    self.rejected.inc(rejected)
+                    self._verified[1] += signal.accepted + rejected
+        if self._verified[1]:
+            self.acceptance.set(self._verified[0] / self._verified[1])
+        self.generated.inc(tokens)
+        self.prompt_tokens.inc(prompt_tokens)
+        now = time.monotonic()
+        self._window.append((now, tokens))
+        while self._window and now - self._window[0][0] > WINDOW_S:
+            self._window.popleft()
+        span = now - self._window[0][0] if len(self._window) > 1 else 0.0
+        counted = sum(n for _, n in list(self._window)[1:])
+        self.tokens_per_second.set(counted / span if span > 0 else 0.0)
+        self.observe_rows(rows)
+
+    def observe_rows(self, rows: Any) -> None:
+        counts = {"speculating": 0, "suspended": 0, "plain": 0}
+        for row in rows:
+            if row.state is State("suspended"):
+                counts["suspended"] += 1
+            elif row.state in lc.CYCLE_READY and row.payload.refusal is None and row.payload.fault is None:
+                counts["speculating"] += 1
+            else:
+                counts["plain"] += 1
+        for state, n in counts.items():
+            self.rows.labels(state=state).set(n)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
