@@ -3,7 +3,8 @@
 Rules of this module:
 - mlx-lm's `APIHandler` does the HTTP work: parsing, chat templates, streaming, usage.
   This subclass adds GET /v1/melix/receipt (the startup receipt, the served settings and
-  the live policy's state) and GET /metrics (Prometheus text), and nests the request's
+  the live policy's state) and GET /metrics (Prometheus text), answers GET /v1/models
+  with the one model it serves (mlx-lm's lists a local hub cache instead), and nests the request's
   `speculative` object into `usage` (non-streamed responses and the streamed usage chunk).
 - Bad input is a 4xx JSON error before anything reaches the generation thread: unknown
   routes (404), wrong field types, max_tokens that is a bool or above the server's limit,
@@ -57,7 +58,9 @@ class MelixAPIHandler(APIHandler):
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
-        elif self.path.startswith("/v1/models") or self.path == "/health":
+        elif self.path == "/v1/models":
+            self._json(200, self._models())
+        elif self.path == "/health":
             super().do_GET()
         else:
             self._error(404, f"no route GET {self.path}", "not_found")
@@ -67,6 +70,12 @@ class MelixAPIHandler(APIHandler):
             self._error(404, f"no route POST {self.path}", "not_found")
             return
         super().do_POST()
+
+    def _models(self) -> dict[str, Any]:
+        """The one model served (under its path and the names it answers to)."""
+        names = self.response_generator.model_provider.served_names()
+        card = {"object": "model", "created": self.created, "owned_by": "melix-fsm"}
+        return {"object": "list", "data": [{"id": name, **card} for name in names]}
 
     def _receipt(self) -> dict[str, Any]:
         served = self.response_generator.served

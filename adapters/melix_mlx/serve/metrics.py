@@ -69,8 +69,10 @@ class ServeMetrics:
             "melix_generation_tokens_per_second", f"Tokens/s over the last {WINDOW_S:g} s", registry=r
         )
         self.rows = Gauge("melix_batch_rows", "Rows in the batch, by lifecycle state", ["state"], registry=r)
-        self.info = Gauge("melix_speculation_method", "1 for the method this server decodes with", ["method"],
-                          registry=r)
+        self.peak_rows = Gauge("melix_batch_rows_peak", "Most rows decoded together since start", registry=r)
+        self.info = Gauge(
+            "melix_speculation_method", "1 for the method this server decodes with", ["method"], registry=r
+        )
         self.info.labels(method=method).set(1)
         self.acceptance.set(float("nan"))
         for state in ("speculating", "suspended", "plain"):
@@ -78,6 +80,7 @@ class ServeMetrics:
         r.register(_PolicyCollector(controller))
         self._window: deque[tuple[float, int]] = deque()
         self._verified = [0, 0]  # accepted, accepted + rejected
+        self.peak = 0
 
     def observe_step(self, report: Any, tokens: int, prompt_tokens: int, rows: Any) -> None:
         for row in report.rows:
@@ -116,6 +119,8 @@ class ServeMetrics:
                 counts["plain"] += 1
         for state, n in counts.items():
             self.rows.labels(state=state).set(n)
+        self.peak = max(self.peak, sum(counts.values()))
+        self.peak_rows.set(self.peak)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

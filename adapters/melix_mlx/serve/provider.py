@@ -123,6 +123,10 @@ class MTPModelProvider(ModelProvider):
         for name in names:  # the alias a client may send as "model"
             self._model_map[name] = cli_args.model
 
+    def served_names(self) -> list[str]:
+        """The path and the other names a request's "model" may use for the served model."""
+        return [self.cli_args.model, *(k for k in self._model_map if k != self.cli_args.model)]
+
     def _load(self, model_path: Any, adapter_path: Any = None, draft_model_path: Any = None) -> None:
         if adapter_path is not None or draft_model_path is not None:
             raise ValueError("this server serves its model without adapters or draft models")
