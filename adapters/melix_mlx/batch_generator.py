@@ -407,7 +407,9 @@ class MTPBatchGenerator(BatchSurface):
         first = len(self.batch)
         self.batch.extend(joining)
         self._reconcile(self.batch.rows[first:])  # joining rows follow the batch-wide verdict
-        # The first token of each joining row came from its prefill: emit it now.
+        # The first token of each joining row came from its prefill: emit it now (counted as
+        # generated, as mlx-lm's generator counts it).
+        self._counters.generation_tokens += len(self.batch) - first
         finished = []
         for row in self.batch.rows[first:]:
             state: RowState = row.payload

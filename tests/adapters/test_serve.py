@@ -263,3 +263,44 @@ def test_seeded_request_says_it_was_decoded_plainly(server: Any) -> None:
     spec = answer.usage.model_extra["speculative"]
     assert spec["method"] == "none" and "seed" in spec["reason"]
     assert answer.choices[0].text == complete(server.url, "The king of").choices[0].text
+
+
+# -- the command ----------------------------------------------------------------------------
+def test_serve_command_usage_errors_exit_2(capsys: pytest.CaptureFixture) -> None:
+    from melix_fsm.cli import main
+
+    assert main(["serve", "--max-batch-size", "0"]) == 2
+    assert main(["serve", "--model", "/nonexistent/checkpoint"]) == 2
+    assert "not a checkpoint directory" in capsys.readouterr().err
+
+
+def test_serve_command_runs_until_interrupted(tmp_path: Any) -> None:
+    import os
+    import queue
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "adapters")])}
+    command = [sys.executable, "-m", "melix_fsm.cli", "serve", "--port", "0", "--device-policy", "force_on"]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        line = ""
+        while "http://" not in line:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        url = line.split(" on ")[1].split()[0]
+        with urllib.request.urlopen(url + "/health", timeout=TIMEOUT_S) as response:
+            assert json.loads(response.read()) == {"status": "ok"}
+        assert complete(url, "The king of", max_tokens=4).usage.completion_tokens == 4
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=TIMEOUT_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=TIMEOUT_S)

@@ -7,8 +7,12 @@ Rules of this module:
 - The model is `--model DIR` or an embedded alias, default stdlib-tiny. The receipt is
   resolved before the weights are read; a refusal serves plainly and says so in the
   receipt endpoint and in every response's usage.
-- Exit status (melix_fsm.cli): 0 after Ctrl-C, 2 usage error or unreadable checkpoint.
-  mlx is imported inside `run` only.
+- Exit status (melix_fsm.cli): 0 after Ctrl-C or SIGTERM, 2 usage error or unreadable
+  checkpoint. mlx is imported inside `run` only.
+- Shutdown: the HTTP server and the generation thread are stopped and joined, the
+  standard streams flushed, then the process ends with `os._exit`: mlx's runtime can
+  abort during interpreter teardown once a server thread has used it (mlx-lm's own
+  server exits with SIGABRT intermittently the same way), and nothing is left to run.
 """
 
 from __future__ import annotations
@@ -88,10 +92,21 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    import os
+    import signal
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         server.stop()
-    return EXIT_OK
+    print(f"{PROG}: stopped", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(EXIT_OK)

@@ -132,9 +132,9 @@ class ServingBatchGenerator(MTPBatchGenerator):
         self._failed = {}
         if failed:
             generation = [r for r in generation if r.uid not in failed]
-            self.remove([uid for uid in failed if uid in self.batch])
             prompt_responses = [r for r in prompt_responses if r.uid not in failed]
-            prompt_responses += self._end_with_errors(failed)
+            prompt_responses += self._end_with_errors(failed)  # before remove() forgets contexts
+            self.remove([uid for uid in failed if uid in self.batch])
         for r in generation:
             if r.finish_reason is not None and r.uid in self.contexts:
                 ctx = self.contexts.pop(r.uid)
