@@ -362,12 +362,19 @@ def _assess_draft(
     r["draft_vocab_size"] = _vocab_size(draft)
     _sidecar(reg, draft, "draft model")
     family = _family(reg, target, "model")
-    r.update(family=family.name, family_support=family.support, batch_shape=BatchShape.singleton)
+    # the draft sits in the head slot with trimmable KV caches only (checked below): rows batch
+    r.update(family=family.name, family_support=family.support, batch_shape=BatchShape.batched)
     draft_family = _family(reg, draft, "draft model")
     r["draft_family"] = draft_family.name
     kinds = _cache_kinds(family, target)
     kinds += [k for k in _cache_kinds(draft_family, draft) if k not in kinds]
     _check_vocab(model, config.draft_model, r)
+    for kind in _cache_kinds(draft_family, draft):
+        if reg.rollback(kind, context.quantized_kv, context.chunked_prefill).strategy != "trim":
+            raise _Refusal(
+                RefusalReason.unsupported_cache_sharing,
+                f"draft model cache kind {kind!r}: in the head slot only trimmable KV caches roll back",
+            )
     _serving(reg, family, _cache_kinds(family, target), context, "model")
     _serving(reg, draft_family, _cache_kinds(draft_family, draft), context, "draft model")
     _caches(reg, kinds, context, r)

@@ -257,7 +257,7 @@ def test_draft_model_with_shared_vocab_is_admitted(fakes: Fakes) -> None:
     target, draft = _draft_cfg(fakes)
     r = resolve(target, speculative_config(method="draft_model", draft_model=str(draft), num_draft_tokens=3))
     assert r.mode is Mode.accepted and r.resolved_method is Method.draft_model
-    assert r.draft_family == "llama" and r.effective_depth == 3 and r.batch_shape is BatchShape.singleton
+    assert r.draft_family == "llama" and r.effective_depth == 3 and r.batch_shape is BatchShape.batched
 
 
 def test_draft_model_padding_only_vocab_difference_is_admitted(fakes: Fakes) -> None:
