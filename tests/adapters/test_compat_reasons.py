@@ -1,0 +1,168 @@
+"""Every RefusalReason in the enum is produced by a concrete input (none is dead vocabulary).
+
+Receipt-time reasons come from checkpoint directories and settings (no weights read);
+runtime ones from the loaded decoder or loader. `depth_exceeds_heads` belongs to a
+family whose head cannot chain (`chain = "none"`), `unvalidated_family` to one that
+borrows another's head layout (`layout_of`) unvalidated; no shipped family in
+spec/families.toml is either, so both come from an entry edited to declare it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from compat_models import make_llama, make_sidecar
+from melix_mlx.checkpoints import resolve_model
+
+from melix_fsm import receipt as receipt_module
+from melix_fsm.config import speculative_config
+from melix_fsm.reasons import RefusalReason, reason_of
+from melix_fsm.receipt import ServingContext, resolve
+from melix_fsm.registry import load_registry
+from melix_fsm.spec import spec_dir
+
+QUANTIZED = ServingContext(quantized_kv=True)
+NEGATIVE_HEADS = {"num_nextn_predict_layers": -1}
+
+
+def _copy(src: Path, dst: Path, **config_changes) -> Path:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(config_changes)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def _tiny() -> Path:
+    return resolve_model("stdlib-tiny")
+
+
+def _receipt(path: Path, context: ServingContext | None = None, **settings) -> RefusalReason | None:
+    return resolve(path, speculative_config(**settings), context=context).refusal_reason
+
+
+def _missing_head(tmp: Path) -> RefusalReason | None:
+    path = _copy(_tiny(), tmp / "no-head")  # as an mlx-lm conversion leaves it: head tensors dropped
+    (path / "mtp.safetensors").unlink()
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: f for k, f in index["weight_map"].items() if f != "mtp.safetensors"}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return _receipt(path)
+
+
+def _head_shape(tmp: Path) -> RefusalReason | None:
+    from melix_mlx.errors import HeadLoadError
+    from melix_mlx.loading import load_with_heads
+
+    path = _copy(_tiny(), tmp / "bad-shape")
+    tensors = mx.load(str(path / "mtp.safetensors"))
+    key = next(k for k in sorted(tensors) if k.endswith("eh_proj.weight"))
+    tensors[key] = tensors[key][:, :-1]
+    mx.save_safetensors(str(path / "mtp.safetensors"), tensors, metadata={"format": "pt"})
+    with pytest.raises(HeadLoadError) as err:
+        load_with_heads(path)
+    return err.value.reason
+
+
+def _registry_with(tmp: Path, monkeypatch, family: str, old: str, new: str) -> None:
+    """Resolve receipts against spec/families.toml with one family's entry edited."""
+    families = (spec_dir() / "families.toml").read_text()
+    at = families.index(old, families.index(f"[families.{family}]"))
+    edited = tmp / "families.toml"
+    edited.write_text(families[:at] + new + families[at + len(old) :])
+    monkeypatch.setattr(receipt_module, "registry", lambda: load_registry(families_path=edited))
+
+
+def _depth_exceeds_heads(tmp: Path, monkeypatch) -> RefusalReason | None:
+    _registry_with(tmp, monkeypatch, "deepseek_v3", 'chain = "pre_norm"', 'chain = "none"')
+    return _receipt(_tiny(), num_draft_tokens=2)
+
+
+def _unvalidated_family(tmp: Path, monkeypatch) -> RefusalReason | None:
+    borrowed = 'head_module = "deepseek_v3"\nlayout_of = "deepseek_v3"'
+    _registry_with(tmp, monkeypatch, "glm4_moe", 'head_module = "glm4_moe"', borrowed)
+    return _receipt(_copy(_tiny(), tmp / "glm", model_type="glm4_moe"))
+
+
+def _device_policy(tmp: Path, monkeypatch) -> RefusalReason | None:
+    from melix_mlx import activation
+    from melix_mlx.loading import load_with_heads
+
+    from melix_fsm.policy.errors import CalibrationError
+
+    monkeypatch.setattr(activation, "calibrate", lambda *a, **kw: CalibrationError("measurement_failed", "x"))
+    model, _, head, _ = load_with_heads(_tiny())
+    config = speculative_config()
+    return activation.evaluate(model, head, resolve(_tiny(), config), config).receipt.refusal_reason
+
+
+def _own_sampler(logprobs: mx.array) -> mx.array:
+    """A caller's sampler the decoder cannot read a distribution from."""
+    return mx.argmax(logprobs, axis=-1)
+
+
+def _decoder_refusal(**kw) -> RefusalReason | None:
+    from melix_mlx.decode import MTPDecoder
+    from melix_mlx.loading import load_with_heads
+
+    model, _, head, _ = load_with_heads(_tiny())
+    decoder = MTPDecoder(model, head, **kw)
+    list(decoder.generate(mx.array([5, 6, 7]), 2))
+    return reason_of(decoder.stats["refusal"])
+
+
+def _sliding(tmp: Path) -> Path:
+    return _copy(_tiny(), tmp / "swa", use_sliding_window=True, sliding_window=64)
+
+
+def _vocab(tmp: Path) -> RefusalReason | None:
+    draft = make_llama(tmp / "draft")
+    data = json.loads((draft / "tokenizer.json").read_text())
+    data["model"]["vocab"]["zzz-extra"] = 5000
+    (draft / "tokenizer.json").write_text(json.dumps(data))
+    return _receipt(_tiny(), method="draft_model", draft_model=str(draft))
+
+
+CASES: dict[RefusalReason, Callable[..., RefusalReason | None]] = {
+    RefusalReason.missing_head_weights: lambda tmp, mp: _missing_head(tmp),
+    RefusalReason.head_shape_mismatch: lambda tmp, mp: _head_shape(tmp),
+    RefusalReason.unsupported_model: lambda tmp, mp: _receipt(make_llama(tmp / "llama")),
+    RefusalReason.unvalidated_family: _unvalidated_family,
+    RefusalReason.unvalidated_sidecar: lambda tmp, mp: _receipt(make_sidecar(_tiny(), tmp / "sidecar")),
+    RefusalReason.unsupported_cache_sharing: lambda tmp, mp: _receipt(_sliding(tmp)),
+    RefusalReason.unsupported_quantization: lambda tmp, mp: _receipt(_tiny(), QUANTIZED),
+    RefusalReason.device_policy_disabled: _device_policy,
+    RefusalReason.invalid_config: lambda tmp, mp: _receipt(_copy(_tiny(), tmp / "b", **NEGATIVE_HEADS)),
+    RefusalReason.depth_exceeds_heads: _depth_exceeds_heads,
+    RefusalReason.vocab_mismatch: lambda tmp, mp: _vocab(tmp),
+    RefusalReason.operator_disabled: lambda tmp, mp: _receipt(_tiny(), method="none"),
+    RefusalReason.unreadable_checkpoint: lambda tmp, mp: _receipt(tmp / "does-not-exist"),
+    RefusalReason.unsupported_sampler: lambda tmp, mp: _decoder_refusal(sampler=_own_sampler),
+}
+
+
+def test_every_reason_has_a_case() -> None:
+    assert set(CASES) == set(RefusalReason)
+
+
+@pytest.mark.parametrize("reason", list(RefusalReason), ids=str)
+def test_reason_is_produced(reason: RefusalReason, tmp_path: Path, monkeypatch) -> None:
+    assert CASES[reason](tmp_path, monkeypatch) is reason
+
+
+def test_runtime_cache_refusal_is_typed() -> None:
+    """A rotating cache (max_kv_size) found by the decoder: the spec cell's typed reason."""
+    from melix_mlx.decode import MTPDecoder
+    from melix_mlx.loading import load_with_heads
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _, head, _ = load_with_heads(_tiny())
+    decoder = MTPDecoder(model, head, prompt_cache=make_prompt_cache(model, max_kv_size=64))
+    list(decoder.generate(mx.array([5, 6, 7]), 2))
+    assert decoder.stats["refusal_reason"] is RefusalReason.unsupported_cache_sharing
+    assert "rotating" in decoder.stats["refusal"]
