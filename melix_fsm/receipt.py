@@ -44,6 +44,7 @@ from .policy.decision import HardwareDecision
 from .policy.depth import AUTO_MAX_DEPTH, DepthDecision
 from .reasons import RefusalReason
 from .registry import Chain, Concat, Family, NormRepair, Registry, Support, registry
+from .sidecar import SidecarReport
 from .spec import spec_dir
 
 SCHEMA_ID = "melix-fsm/receipt/3"
@@ -126,6 +127,7 @@ class Receipt(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     hardware_gate: HardwareGate = HardwareGate.not_evaluated
     hardware: HardwareDecision | None = None  # the device policy's decision and its inputs
     depth: DepthDecision | None = None  # the depth the run starts with (set with the hardware gate)
+    sidecar: SidecarReport | None = None  # the contract report of an offered MTP pack
     operator_override: bool
     refusal_reason: RefusalReason | None
     message: str
@@ -263,7 +265,12 @@ def _vocab_size(ckpt: Checkpoint) -> int | None:
 
 
 def _assess_mtp(
-    reg: Registry, model: str, config: SpeculativeConfig, context: ServingContext, r: dict
+    reg: Registry,
+    model: str,
+    config: SpeculativeConfig,
+    context: ServingContext,
+    r: dict,
+    sidecar: SidecarReport | None = None,
 ) -> str:
     ckpt = _read(model, "model")
     r["model_type"] = ckpt.model_type
@@ -313,7 +320,13 @@ def _assess_mtp(
             RefusalReason.unvalidated_sidecar,
             "model: every tensor is a head tensor (an MTP-only sidecar checkpoint, not a model)",
         )
-    if not scan.present:
+    if sidecar is not None:  # the head comes from a pack: only its contract admits it
+        r["sidecar"] = sidecar
+        if not sidecar.validated:
+            raise _Refusal(RefusalReason.unvalidated_sidecar, f"sidecar {sidecar.path}: {sidecar.failure}")
+        r.update(validated=True, head_format="hf", weights_present=True, head_files=list(sidecar.files))
+        r.update(missing_weights=[], weight_count=sidecar.tensor_count)
+    elif not scan.present:
         shown = ", ".join(scan.missing[:4]) + (" ..." if len(scan.missing) > 4 else "")
         raise _Refusal(
             RefusalReason.missing_head_weights,
@@ -343,9 +356,10 @@ def _assess_mtp(
     _serving(reg, family, kinds, context, "model")
     _caches(reg, kinds, context, r)
     r["max_depth"] = min(heads, AUTO_MAX_DEPTH) if family.chain is Chain.none else AUTO_MAX_DEPTH
+    where = f"the validated sidecar {sidecar.path}" if sidecar is not None else ", ".join(scan.files)
     return (
-        f"mtp admitted: {family.name} head, {heads} layer(s), {scan.weight_count} tensors in "
-        f"{', '.join(scan.files)}; depth {_depth_text(config, r)}"
+        f"mtp admitted: {family.name} head, {heads} layer(s), {r['weight_count']} tensors in "
+        f"{where}; depth {_depth_text(config, r)}"
     )
 
 
@@ -431,8 +445,13 @@ def resolve(
     *,
     context: ServingContext | None = None,
     machine: SequenceMachine | None = None,
+    sidecar: SidecarReport | None = None,
 ) -> Receipt:
     """Decide one speculative start and drive its lifecycle machine from `requested`.
+
+    `sidecar` is the contract report of an MTP pack offered for this target
+    (melix_fsm.sidecar; melix_mlx.sidecar runs the checks): the head then comes from the
+    pack, admitted only when every check passed, else refused as `unvalidated_sidecar`.
 
     `machine` is the row's machine (a fresh one is made when omitted); it must be in the
     `requested` state, else `IllegalTransition` is raised and nothing is decided.
@@ -450,7 +469,7 @@ def resolve(
         if config.method is Method.draft_model:
             admitted_message = _assess_draft(reg, model, config, context, r)
         else:  # none and force_off still assess, so the receipt shows what was declined
-            admitted_message = _assess_mtp(reg, model, config, context, r)
+            admitted_message = _assess_mtp(reg, model, config, context, r, sidecar)
     except _Refusal as exc:
         refusal = exc
     operator_off = config.method is Method.none or config.device_policy is DevicePolicy.force_off

@@ -59,3 +59,17 @@ def batched_quantized_kv() -> UnsupportedServing:
 
     blocked = registry().unmergeable["quantized_kv"]
     return UnsupportedServing(blocked.refusal, f"batched cache kind 'quantized_kv': {blocked.message}")
+
+
+class UnvalidatedSidecar(HeadLoadError):
+    """An MTP sidecar pack failed its validation contract (melix_fsm.sidecar).
+
+    ``report`` names every check and the failed one; ``receipt`` is the refused receipt.
+    """
+
+    reason = RefusalReason.unvalidated_sidecar
+
+    def __init__(self, message: str, *, report: object = None, receipt: object = None) -> None:
+        super().__init__(message, details={"failed_check": getattr(report, "failed_check", None)})
+        self.report = report
+        self.receipt = receipt

@@ -304,6 +304,7 @@ def load_with_heads(
     own_lm_head: bool | None = None,
     lazy: bool = False,
     tokenizer_config: dict[str, Any] | None = None,
+    sidecar: str | Path | None = None,
 ) -> tuple[nn.Module, Any, MTPHeadBase | StackedHead, HeadInfo]:
     """Load ``(model, tokenizer, head, info)`` from a local checkpoint directory.
 
@@ -314,13 +315,26 @@ def load_with_heads(
 
     The checkpoint's receipt (``info.receipt``) is resolved first and attached to the
     head: where it refuses, the decoders decode plainly with its typed reason.
+
+    ``sidecar``: an MTP pack directory for a target without head tensors; without it, a
+    pack beside a head-less target is found by convention (melix_fsm.sidecar.find_pack).
+    A pack is admitted only by its validation contract (melix_mlx.sidecar), else
+    ``UnvalidatedSidecar`` names the failed check.
     """
     from melix_fsm.receipt import resolve
+    from melix_fsm.sidecar import find_pack
 
     path = Path(path)
-    receipt = resolve(path)
     config = load_config(path)
     family = detect_family(config)
+    pack = Path(sidecar) if sidecar is not None else None
+    if pack is None and not _head_key_files(path, config, family):
+        pack = find_pack(path)
+    if pack is not None:
+        from .sidecar import load_with_sidecar
+
+        return load_with_sidecar(path, pack, tokenizer_config=tokenizer_config)
+    receipt = resolve(path)
     if advertised_head_count(config) <= 0 and not config.get(MELIX_CONFIG_KEY):
         raise UnsupportedModel(f"{path}: config advertises no MTP head ({family})")
     # fail fast on absent head tensors, before reading the main weights
