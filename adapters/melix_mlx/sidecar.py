@@ -209,12 +209,20 @@ def validate_pack(
 
 
 def load_with_sidecar(
-    path: str | Path, pack: str | Path, *, tokenizer_config: dict[str, Any] | None = None
+    path: str | Path,
+    pack: str | Path,
+    *,
+    tokenizer_config: dict[str, Any] | None = None,
+    speculative: Any = None,
+    context: Any = None,
+    machine: Any = None,
 ) -> tuple[nn.Module, Any, nn.Module, Any]:
     """``(model, tokenizer, head, info)`` for ``path`` with its head from ``pack``.
 
-    Raises ``UnvalidatedSidecar`` (report and refused receipt attached) when the pack
-    fails any check of the contract.
+    ``speculative`` / ``context`` / ``machine`` go to ``melix_fsm.receipt.resolve`` (the CLI's
+    speculative config, serving context and the row's lifecycle machine). Raises
+    ``UnvalidatedSidecar`` (report and refused receipt attached) when the pack fails
+    any check of the contract.
     """
     from melix_fsm.receipt import resolve
 
@@ -226,7 +234,7 @@ def load_with_sidecar(
     model, config = load_main(path)
     tokenizer = load_tokenizer(path, tokenizer_config, eos_token_ids=config.get("eos_token_id", None))
     result, head = validate_pack(path, pack, model, tokenizer, config)
-    receipt = resolve(path, sidecar=result)
+    receipt = resolve(path, speculative, context=context, machine=machine, sidecar=result)
     if head is None or not result.validated:
         raise UnvalidatedSidecar(f"{pack}: {result.failure}", report=result, receipt=receipt)
     head_receipt.attach(head, receipt)

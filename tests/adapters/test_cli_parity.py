@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from melix_mlx.generate import mtp_stream_generate
+from melix_mlx.loading import load_with_heads
 from mlx_lm.generate import generate_step, stream_generate
 
 from melix_fsm.cli import build_parser, main
@@ -32,6 +33,7 @@ KV = {"kv_bits", "kv_group_size", "quantized_kv_start"}  # mlx-lm's own names
 DECODE = KV | {"max_kv_size", "prefill_step_size", "max_tokens"}
 SAMPLING = {"temp", "top_p", "seed"}  # make_sampler / mx.random.seed, as mlx-lm's CLI
 CLI_ONLY = {"help", "model", "prompt", "prompts_file", "json", "stagger", "run"}
+LOADING = {"mtp_sidecar": "sidecar"}  # CLI dest -> load_with_heads keyword
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:
@@ -60,8 +62,9 @@ def test_every_receipt_option_is_a_generate_option() -> None:
 def test_every_setting_has_an_api_keyword() -> None:
     dests = {a.dest for name in ("generate", "receipt") for a in _subparser(name)._actions}
     dests -= {"model_dir", "schema"}
-    unmapped = dests - SPECULATIVE - SERVING - DECODE - SAMPLING - CLI_ONLY
+    unmapped = dests - SPECULATIVE - SERVING - DECODE - SAMPLING - CLI_ONLY - set(LOADING)
     assert not unmapped, f"options with no API keyword in this test's map: {unmapped}"
+    assert set(inspect.signature(load_with_heads).parameters) >= set(LOADING.values())
     config_kw = set(inspect.signature(speculative_config).parameters)
     assert config_kw >= SPECULATIVE
     assert set(ServingContext.__struct_fields__) >= SERVING

@@ -177,3 +177,26 @@ def test_report_and_chance_helpers():
     assert chance_p_value(3, 30, 1 / 1024) < 1e-3 < chance_p_value(1, 30, 1 / 1024)
     with pytest.raises(ValueError):
         report("p", {"vibes": (True, "")})
+
+
+def test_cli_generate_with_mtp_sidecar(parts, tmp_path, capsys):
+    from test_decode_cli import FORCE_ON, greedy, run_json
+
+    target, pack = parts
+    common = ("generate", "--model", str(target), "--prompt", "Hi there", "--json", "--max-tokens", "12")
+    status, [out], _ = run_json(capsys, *common, "--mtp-sidecar", str(pack), *FORCE_ON)
+    assert status == 0 and out["method"] == "mtp"
+    assert out["receipt"]["mode"] == "accepted" and out["receipt"]["sidecar"]["validated"]
+    assert out["tokens"] == greedy(SOURCE, "Hi there", 12) and out["stats"]["cycles"] > 0
+    bad = edit_pack(pack, tmp_path / "bad", _random)
+    status, [out], _ = run_json(capsys, *common, "--mtp-sidecar", str(bad), "--method", "mtp", *FORCE_ON)
+    assert status == 3 and out["error"] == "unvalidated_sidecar"
+    assert out["receipt"]["sidecar"]["failed_check"] == "probe"
+    status, [out], err = run_json(capsys, *common, "--mtp-sidecar", str(bad), *FORCE_ON)
+    assert status == 0 and out["method"] == "none" and out["stats"]["cycles"] == 0
+    assert "unvalidated_sidecar" in err and out["tokens"] == greedy(SOURCE, "Hi there", 12)
+    local = shutil.copytree(target, tmp_path / "model")  # by convention: <model>-mtp beside it
+    shutil.copytree(pack, tmp_path / "model-mtp")
+    status, [out], _ = run_json(capsys, "generate", "--model", str(local), *common[3:], *FORCE_ON)
+    assert status == 0 and out["receipt"]["sidecar"]["path"] == str(tmp_path / "model-mtp")
+    assert out["method"] == "mtp" and out["stats"]["cycles"] > 0

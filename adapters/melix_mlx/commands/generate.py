@@ -76,6 +76,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--seed", type=int, default=None, metavar="S")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
     parser.add_argument("--stagger", type=int, default=0, metavar="N", help="insert one prompt every N steps")
+    parser.add_argument(
+        "--mtp-sidecar", default=None, metavar="DIR",
+        help="MTP head pack for a head-less target, admitted only by its validation contract "
+        "(default: <model>/mtp or <model>-mtp when the model has no head)",
+    )  # fmt: skip
     parser.set_defaults(run=run)
 
 
@@ -201,9 +206,22 @@ def run(args: argparse.Namespace) -> int:
     batched = len(prompts) > 1 or args.batched
     context = serving_context(args, batched=batched)
 
-    # the receipt comes first: nothing has read a tensor yet
+    # the receipt comes first: nothing has read a tensor yet (a sidecar pack is the
+    # exception: its contract loads the target to probe the head)
     machine = SequenceMachine(0)
-    receipt = resolve(model_dir, config, context=context, machine=machine)
+    pack = Path(args.mtp_sidecar) if args.mtp_sidecar else None
+    preloaded = None
+    if pack is None:
+        receipt = resolve(model_dir, config, context=context, machine=machine)
+        if config.method is Method.mtp and receipt.refusal_reason is RefusalReason.missing_head_weights:
+            from melix_fsm.sidecar import find_pack
+
+            pack = find_pack(model_dir)  # a head-less target: a pack beside it by convention
+            machine = SequenceMachine(0) if pack is not None else machine
+    if pack is not None:
+        if not pack.is_dir():
+            return _fail(f"--mtp-sidecar {pack}: not a directory")
+        receipt, preloaded = _resolve_with_pack(model_dir, pack, config, context, machine)
     receipt_data = json.loads(receipt_json(receipt))
     explicit = config.method is not Method.none and config.sources.method is Source.explicit
     reason = receipt.refusal_reason
@@ -227,7 +245,9 @@ def run(args: argparse.Namespace) -> int:
     load_error: dict[str, str] | None = None
     try:
         model, tokenizer = (None, None)
-        if refusal is None:
+        if refusal is None and preloaded is not None:
+            model, tokenizer, head = preloaded
+        elif refusal is None:
             try:
                 model, tokenizer, head = _load_speculative(model_dir, config)
             except (HeadLoadError, UnsupportedServing) as exc:
@@ -298,6 +318,20 @@ def run(args: argparse.Namespace) -> int:
             print(result["text"])
     sys.stdout.flush()
     return EXIT_OK
+
+
+def _resolve_with_pack(model_dir: Path, pack: Path, config: Any, context: Any, machine: Any) -> tuple:
+    """(receipt, (model, tokenizer, head) or None): the target with its head from ``pack``."""
+    from melix_mlx.errors import UnvalidatedSidecar
+    from melix_mlx.sidecar import load_with_sidecar
+
+    try:
+        model, tokenizer, head, info = load_with_sidecar(
+            model_dir, pack, speculative=config, context=context, machine=machine
+        )
+    except UnvalidatedSidecar as exc:
+        return exc.receipt, None
+    return info.receipt, (model, tokenizer, head)
 
 
 def _load_speculative(model_dir: Path, config: Any) -> tuple[Any, Any, Any]:
