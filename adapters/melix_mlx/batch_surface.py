@@ -15,9 +15,11 @@ Rules of this module:
   The last segment is prefilled at admission as a plain prompt is: chunking equals
   mlx-lm's (each segment in `prefill_step_size` chunks, the last token alone).
 - Prompt caches in: a request's cache (with `all_tokens`, the tokens it already holds)
-  continues from there. The head cache is not part of a prompt cache: the head is primed
-  from the uncached suffix only, which can lower acceptance on the first cycles and never
-  changes a token (verification is exact).
+  continues from there. A prompt the cache already holds entirely gives its last token
+  back (the cache is trimmed by one) so that token is fed again for the next logits; a
+  cache that cannot be trimmed makes that a ValueError. The head cache is not part of a
+  prompt cache: the head is primed from the uncached suffix only, which can lower
+  acceptance on the first cycles and never changes a token (verification is exact).
 - Failures: an exception while prefilling one request drops that request only; the other
   joining rows are admitted and the batch stays consistent. At the end of that `next()`
   `on_failures` runs; by default it raises `RequestFailed` carrying every failure and the
@@ -32,7 +34,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from melix_fsm.errors import MelixError
@@ -108,6 +110,10 @@ class BatchSurface:
     ) -> list[int]:
         """`insert` with each prompt given as segments (prefix boundaries kept apart)."""
         kept = [[list(s) for s in seq if len(s)] for seq in segments]
+        all_tokens = [list(t) for t in all_tokens] if all_tokens is not None else None
+        for i, seq in enumerate(kept):
+            if not seq and caches and caches[i] and all_tokens and all_tokens[i]:
+                kept[i] = [[self._give_back_last(caches[i], all_tokens, i)]]
         prompts = [[t for s in seq for t in s] for seq in kept]
         uids = self.insert(  # type: ignore[attr-defined]
             prompts, max_tokens, caches, all_tokens, samplers, logits_processors, stop_sequences,
@@ -120,6 +126,14 @@ class BatchSurface:
                 request.segments = seq[:-1]
                 request.prompt = seq[-1]
         return uids
+
+    @staticmethod
+    def _give_back_last(cache: list[Any], all_tokens: list[list[int]], i: int) -> int:
+        """A fully cached prompt: the cache gives back its last token, which is fed again."""
+        if not can_trim_prompt_cache(cache):
+            raise ValueError(f"prompt {i} is fully cached in a cache that cannot be trimmed")
+        trim_prompt_cache(cache, 1)
+        return all_tokens[i].pop()
 
     @property
     def prompt_cache_nbytes(self) -> int:

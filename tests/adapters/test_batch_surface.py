@@ -177,3 +177,22 @@ def test_rebind_fails_loudly_when_mlx_lm_changes() -> None:
     with pytest.raises(RuntimeError, match="no longer uses"):
         rebind(ResponseGenerator._generate, NotAnMlxLmName=object())
     assert rebind(ResponseGenerator._generate, BatchGenerator=object()) is not ResponseGenerator._generate
+
+
+def test_a_fully_cached_prompt_feeds_its_last_token_again(loaded: tuple, prompts: list) -> None:
+    model, _, head = loaded
+    gen = MTPBatchGenerator(model, head, num_draft_tokens=2)
+    (uid,) = gen.insert([prompts[0]], max_tokens=[8])
+    drain(gen, [uid])
+    done = drain.finished[uid]  # type: ignore[attr-defined]
+    cache, history = done.prompt_cache, done.all_tokens
+    before = list(history)
+    ours = MTPBatchGenerator(model, head, num_draft_tokens=2)
+    (a,) = ours.insert_segments([[]], max_tokens=[12], caches=[copy.deepcopy(cache)], all_tokens=[history])
+    trimmed = copy.deepcopy(cache)
+    for c in trimmed:
+        c.trim(1)
+    ref = BatchGenerator(model)
+    (b,) = ref.insert([history[-1:]], max_tokens=[12], caches=[trimmed], all_tokens=[history[:-1]])
+    assert drain(ours, [a])[a] == drain(ref, [b])[b]
+    assert history == before  # the caller's token list is not modified

@@ -108,3 +108,29 @@ def test_a_failing_stream_ends_with_an_error_event(url: str) -> None:
     with urllib.request.urlopen(url + "/health", timeout=TIMEOUT_S) as response:
         assert json.loads(response.read()) == {"status": "ok"}
     assert complete(url, "Once upon a time there").choices[0].text
+
+
+def test_an_insertion_that_raises_fails_its_request_only() -> None:
+    """mlx-lm's loop would die of an exception from insert_segments; ours answers the request."""
+    from queue import Queue
+
+    from melix_mlx.loading import load_with_heads
+    from melix_mlx.serve.metrics import ServeMetrics
+    from melix_mlx.serve.runtime import ServingBatchGenerator
+
+    model, tokenizer, head, _ = load_with_heads(CKPT)
+    contexts: dict = {}
+    ctx = type("Ctx", (), {"queue": Queue(), "stop": lambda self: None, "speculative": None})()
+    gen = ServingBatchGenerator(model, head, contexts=contexts, pending=[ctx], metrics=ServeMetrics())
+    (uid,) = gen.insert_segments([[]], max_tokens=[4])  # an empty prompt: a ValueError inside
+    prompt_responses, generation = gen.next()
+    assert [r.uid for r in prompt_responses] == [uid] and generation == []
+    assert isinstance(ctx.queue.get(timeout=5), ValueError)
+    assert uid not in contexts
+    (other,) = gen.insert([tokenizer.encode("The king of")], max_tokens=[3])
+    tokens = []
+    for _ in range(100):
+        tokens += [r.token for r in gen.next()[1]]
+        if len(tokens) == 3:
+            break
+    assert len(tokens) == 3

@@ -15,7 +15,8 @@ Rules of this module:
   built just before, in the same generation thread). A finishing row writes its
   speculative usage into the context before mlx-lm queues its last response, so the
   HTTP handler finds it when the response ends (`current_context`).
-- Failures stay with their request: each row's logits processors are guarded, so one that
+- Failures stay with their request: an insertion that raises fails its request only; each
+  row's logits processors are guarded, so one that
   raises records the failure and the batched step completes for the other rows; a
   request whose prefill raises is dropped by the generator (melix_mlx.batch_surface).
   After the step the failed rows leave the batch, their exception goes to their response
@@ -94,7 +95,12 @@ class ServingBatchGenerator(MTPBatchGenerator):
             kwargs["logits_processors"] = [
                 [self._guard(first + i, p) for p in row] if row else row for i, row in enumerate(processors)
             ]
-        uids = super().insert_segments(segments, *args, **kwargs)
+        try:
+            uids = super().insert_segments(segments, *args, **kwargs)
+        except Exception as exc:  # mlx-lm's loop would die of it: the request fails alone
+            uids = [self._uid_count]
+            self._uid_count += 1
+            self._failed[uids[0]] = exc
         ctx = self._pending.pop() if self._pending else None
         if ctx is not None:
             for uid in uids:
