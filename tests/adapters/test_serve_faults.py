@@ -134,3 +134,28 @@ def test_an_insertion_that_raises_fails_its_request_only() -> None:
         if len(tokens) == 3:
             break
     assert len(tokens) == 3
+
+
+def test_a_refused_checkpoint_is_served_plainly_and_says_so() -> None:
+    """No MTP head (the embedded draft model): mlx-lm's answers, the refusal in receipt and usage."""
+    draft = EMBEDDED["stdlib-tiny-draft"]
+    if not (draft / "config.json").exists():
+        pytest.skip("no draft checkpoint")
+    from melix_mlx.serve.app import start_server
+    from melix_mlx.serve.provider import load_served_model
+    from mlx_lm import generate, load
+
+    served = load_served_model(str(draft), None, None)
+    assert served.method == "none" and served.refusal
+    running = start_server(served, max_batch_size=4)
+    try:
+        answer = complete(running.url, "The king of")
+        with urllib.request.urlopen(running.url + "/v1/melix/receipt", timeout=TIMEOUT_S) as response:
+            receipt = json.loads(response.read())
+    finally:
+        running.stop()
+    spec = answer.usage.model_extra["speculative"]
+    assert spec["method"] == "none" and spec["proposed"] == 0 and spec["reason"]
+    assert receipt["method"] == "none" and receipt["receipt"]["mode"] == "refused"
+    model, tokenizer = load(str(draft))
+    assert answer.choices[0].text == generate(model, tokenizer, "The king of", max_tokens=24)
