@@ -10,7 +10,8 @@ Rules of this module:
 - `AbsorbedVerifyAttention` (a subclass of mlx-lm's class, installed on the loaded
   model's attention instances by `install`) runs the absorbed form for every query row
   while the engine marks the cache as verifying (`arm`/`disarm`); unmarked, it is
-  mlx-lm's `__call__` unchanged. It adds no parameters.
+  mlx-lm's `__call__` unchanged. It adds no parameters. GLM-4 MoE Lite's latent
+  attention runs the same forward under its own class and gets the same treatment.
 - Exactness is checked by the greedy identity tests against mlx-lm's token-by-token
   decoding (the absorbed form is the one it uses).
 """
@@ -21,43 +22,60 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import deepseek_v3
+from mlx_lm.models import deepseek_v3, glm4_moe_lite
 from mlx_lm.models.base import scaled_dot_product_attention
 
 _VERIFYING = "melix_verifying"  # attribute a KV cache leaf carries during a verify forward
+
+
+def _absorbed_call(self: Any, x: mx.array, mask: mx.array | None, cache: Any) -> mx.array:
+    """The one-token (absorbed) latent attention over a whole verify block."""
+    B, L, _ = x.shape
+    if self.q_lora_rank is None:
+        q = self.q_proj(x)
+    else:
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+    q = q.reshape(B, L, self.num_heads, self.q_head_dim).transpose(0, 2, 1, 3)
+    q_nope, q_pe = mx.split(q, [self.qk_nope_head_dim], axis=-1)
+    compressed_kv = self.kv_a_proj_with_mqa(x)
+    compressed_kv, k_pe = mx.split(compressed_kv, [self.kv_lora_rank], axis=-1)
+    k_pe = k_pe.reshape(B, L, 1, self.qk_rope_head_dim).transpose(0, 2, 1, 3)
+    kv_latent = self.kv_a_layernorm(compressed_kv)
+    q_pe = self.rope(q_pe, cache.offset)
+    k_pe = self.rope(k_pe, cache.offset)
+    kv_latent, k_pe = cache.update_and_fetch(mx.expand_dims(kv_latent, axis=1), k_pe)
+    pe_scores = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)
+    if mask is not None:
+        pe_scores = mx.where(mask, pe_scores, mx.array(mx.finfo(pe_scores.dtype).min, pe_scores.dtype))
+    output = scaled_dot_product_attention(
+        self.embed_q(q_nope), kv_latent, kv_latent, cache=cache, scale=self.scale, mask=pe_scores
+    )
+    output = self.unembed_out(output)
+    return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class AbsorbedVerifyAttention(deepseek_v3.DeepseekV3Attention):
     """mlx-lm's DeepSeek-V3 attention, absorbed for every row of a marked verify."""
 
     def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
-        B, L, _ = x.shape
-        if L == 1 or not getattr(cache, _VERIFYING, False):
+        if x.shape[1] == 1 or not getattr(cache, _VERIFYING, False):
             return super().__call__(x, mask, cache)
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.reshape(B, L, self.num_heads, self.q_head_dim).transpose(0, 2, 1, 3)
-        q_nope, q_pe = mx.split(q, [self.qk_nope_head_dim], axis=-1)
-        compressed_kv = self.kv_a_proj_with_mqa(x)
-        compressed_kv, k_pe = mx.split(compressed_kv, [self.kv_lora_rank], axis=-1)
-        k_pe = k_pe.reshape(B, L, 1, self.qk_rope_head_dim).transpose(0, 2, 1, 3)
-        kv_latent = self.kv_a_layernorm(compressed_kv)
-        q_pe = self.rope(q_pe, cache.offset)
-        k_pe = self.rope(k_pe, cache.offset)
-        kv_latent, k_pe = cache.update_and_fetch(mx.expand_dims(kv_latent, axis=1), k_pe)
-        pe_scores = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)
-        if mask is not None:
-            pe_scores = mx.where(mask, pe_scores, mx.array(mx.finfo(pe_scores.dtype).min, pe_scores.dtype))
-        output = scaled_dot_product_attention(
-            self.embed_q(q_nope), kv_latent, kv_latent, cache=cache, scale=self.scale, mask=pe_scores
-        )
-        output = self.unembed_out(output)
-        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return _absorbed_call(self, x, mask, cache)
 
 
-ABSORBED: dict[type, type] = {deepseek_v3.DeepseekV3Attention: AbsorbedVerifyAttention}
+class AbsorbedGlm4MoeLiteAttention(glm4_moe_lite.Glm4MoeLiteAttention):
+    """mlx-lm's GLM-4 MoE Lite latent attention (the same MLA forward), absorbed likewise."""
+
+    def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
+        if x.shape[1] == 1 or not getattr(cache, _VERIFYING, False):
+            return super().__call__(x, mask, cache)
+        return _absorbed_call(self, x, mask, cache)
+
+
+ABSORBED: dict[type, type] = {
+    deepseek_v3.DeepseekV3Attention: AbsorbedVerifyAttention,
+    glm4_moe_lite.Glm4MoeLiteAttention: AbsorbedGlm4MoeLiteAttention,
+}
 
 
 def install(model: nn.Module) -> int:

@@ -131,7 +131,7 @@ _BASE_CONFIGS: dict[str, dict[str, Any]] = {
 
 FAMILIES = tuple(_BASE_CONFIGS)  # the core families every decode test runs over
 # families whose fixtures live in melix_mlx.tiny_moe (their own tests: test_families*.py)
-MORE_FAMILIES = ("glm4_moe", "qwen3_5_moe", "qwen3_next")
+MORE_FAMILIES = ("glm4_moe", "glm4_moe_lite", "qwen3_5_moe", "qwen3_next")
 ALL_FAMILIES = FAMILIES + MORE_FAMILIES
 # the config key each family's head count is written under (``mtp_layers``)
 HEAD_COUNT_KEY = {
@@ -140,6 +140,7 @@ HEAD_COUNT_KEY = {
     "qwen3_next": "mtp_num_hidden_layers",
     "deepseek_v3": "num_nextn_predict_layers",
     "glm4_moe": "num_nextn_predict_layers",
+    "glm4_moe_lite": "num_nextn_predict_layers",
     "mimo": "num_nextn_predict_layers",
 }
 

@@ -7,6 +7,8 @@ Rules:
   layer then sigmoid-routed MoE layers (per-expert tensors, ``e_score_correction_bias``,
   shared experts); head at ``model.layers.{num_hidden_layers + j}`` with DeepSeek-style
   ``enorm``/``hnorm``/``eh_proj``/``shared_head`` and copies of embedding and lm_head.
+- glm4_moe_lite (GLM-4.7-Flash): DeepSeek-V3's names and conventions (latent attention
+  with an unsplit ``kv_b_proj``, per-expert MoE), head at ``model.layers.{N + j}``.
 - qwen3_5_moe (Qwen3.6-35B-A3B): the Qwen3.5 hybrid under ``model.language_model.`` with
   MoE feed-forwards stored fused (``experts.gate_up_proj`` [E, 2I, D],
   ``experts.down_proj`` [E, D, I]) plus ``shared_expert`` and ``shared_expert_gate``;
@@ -22,7 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .tiny import _Init, _lm_head, _mlp, _qwen3_5_full_attn, _qwen3_5_linear_attn
+from .tiny import _deepseek_weights, _Init, _lm_head, _mlp, _qwen3_5_full_attn, _qwen3_5_linear_attn
 from .tiny_tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
 
 _COMMON = {"vocab_size": VOCAB_SIZE, "bos_token_id": EOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID}
@@ -81,6 +83,42 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-5,
         "rope_theta": 1000000,
         "rope_scaling": None,
+        "tie_word_embeddings": False,
+    },
+    "glm4_moe_lite": {
+        **_COMMON,
+        "architectures": ["Glm4MoeLiteForCausalLM"],
+        "model_type": "glm4_moe_lite",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 3,
+        "num_nextn_predict_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_shared_experts": 1,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "routed_scaling_factor": 1.8,
+        "kv_lora_rank": 32,
+        "q_lora_rank": 48,
+        "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 32,
+        "v_head_dim": 32,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "n_group": 1,
+        "topk_group": 1,
+        "moe_layer_freq": 1,
+        "first_k_dense_replace": 1,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000,
+        "rope_scaling": None,
+        "partial_rotary_factor": 1.0,
+        "attention_bias": False,
         "tie_word_embeddings": False,
     },
     "qwen3_5_moe": {
@@ -247,8 +285,14 @@ def _hybrid_weights(family: str):
     return build
 
 
+def _glm4_moe_lite_weights(init: _Init, c: dict) -> tuple[dict, dict]:
+    """DeepSeek-V3's HF names and conventions (MLA with unsplit ``kv_b_proj``, per-expert MoE)."""
+    return _deepseek_weights(init, c)
+
+
 BUILDERS = {
     "glm4_moe": _glm4_moe_weights,
+    "glm4_moe_lite": _glm4_moe_lite_weights,
     "qwen3_5_moe": _hybrid_weights("qwen3_5_moe"),
     "qwen3_next": _hybrid_weights("qwen3_next"),
 }

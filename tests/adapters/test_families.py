@@ -1,4 +1,5 @@
-"""The MoE families users run: glm4_moe (own GQA head), qwen3_5_moe (MoE head), qwen3_next.
+"""The MoE families users run: glm4_moe (own GQA head), glm4_moe_lite (latent attention),
+qwen3_5_moe (MoE head), qwen3_next.
 
 For each, on a tiny checkpoint written in the family's real Hugging Face layout:
 - mlx-lm's own loader reads the main model, and the project loader yields the same logits;
@@ -47,6 +48,11 @@ HF_HEAD_KEYS = {
         "model.layers.3.mlp.experts.0.gate_proj.weight",
         "model.layers.3.mlp.gate.e_score_correction_bias",
     ],
+    "glm4_moe_lite": [
+        "model.layers.3.eh_proj.weight",
+        "model.layers.3.self_attn.kv_b_proj.weight",
+        "model.layers.3.mlp.experts.0.gate_proj.weight",
+    ],
     "qwen3_5_moe": [
         "mtp.fc.weight",
         "mtp.layers.0.mlp.experts.gate_up_proj",
@@ -86,9 +92,10 @@ def test_moe_heads_route_through_experts(family_heads):
     """The head layers are MoE (routed + shared experts), not dense stand-ins."""
     for family in MORE_FAMILIES:
         head = family_heads[family][3]
-        layer = head.block if family == "glm4_moe" else head.layers[0]
+        glm = family.startswith("glm4_moe")
+        layer = head.block if glm else head.layers[0]
         assert "switch_mlp" in layer.mlp, family
-        assert ("shared_experts" if family == "glm4_moe" else "shared_expert") in layer.mlp, family
+        assert ("shared_experts" if glm else "shared_expert") in layer.mlp, family
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -137,7 +144,7 @@ def test_rollback_cache_equals_clean_run(family_heads, family, monkeypatch):
 @pytest.mark.parametrize("family", MORE_FAMILIES)
 def test_converted_dir_gives_identical_head(family_heads, family, tmp_path):
     path, model, tok, head, info = family_heads[family]
-    assert info.norms_repaired_on_load == (family != "glm4_moe")
+    assert info.norms_repaired_on_load == (not family.startswith("glm4_moe"))
     out = convert(path, tmp_path / "converted")
     assert json.loads((out / "config.json").read_text())["melix_mtp"]["family"] == family
     m2, t2, h2, info2 = load_with_heads(out)

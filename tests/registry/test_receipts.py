@@ -104,7 +104,21 @@ def test_melix_entry_naming_a_missing_file_is_unreadable(fakes: Fakes) -> None:
 
 
 @pytest.mark.parametrize(
-    "family", ["glm4_moe_lite", "bailing_moe_v3", "ernie4_5_moe", "exaone_moe", "nemotron_h"]
+    "family",
+    [
+        "bailing_moe_v3",
+        "ernie4_5_moe",
+        "exaone_moe",
+        "nemotron_h",
+        "deepseek_v32",
+        "glm_moe_dsa",
+        "mimo_v2_flash",
+        "kimi_k3",
+        "longcat_flash",
+        "step3p5",
+        "deepseek_v41",
+        "bailing_hybrid",
+    ],
 )
 def test_design_families_we_do_not_run_are_refused_by_name(fakes: Fakes, family: str) -> None:
     path = fakes.make(

@@ -22,8 +22,21 @@ FAMILIES = tomllib.loads((spec_dir() / "families.toml").read_text(encoding="utf-
 ROLLBACK = tomllib.loads((spec_dir() / "rollback.toml").read_text(encoding="utf-8"))
 HEADS_DIR = Path(__file__).resolve().parents[2] / "adapters" / "melix_mlx" / "heads"
 
-RUNNABLE = {"qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe", "mimo"}
-REFUSED = {"glm4_moe_lite", "bailing_moe_v3", "ernie4_5_moe", "exaone_moe", "nemotron_h"}
+RUNNABLE = {"qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "mimo"}
+REFUSED = {
+    "bailing_moe_v3",
+    "ernie4_5_moe",
+    "exaone_moe",
+    "nemotron_h",
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "mimo_v2_flash",
+    "kimi_k3",
+    "longcat_flash",
+    "step3p5",
+    "deepseek_v41",
+    "bailing_hybrid",
+}
 
 
 def test_runnable_and_refused_families_are_declared() -> None:

@@ -15,7 +15,7 @@ import argparse
 import sys
 from typing import Any
 
-FAMILIES = ("qwen3_5", "deepseek_v3", "mimo", "glm4_moe", "qwen3_5_moe", "qwen3_next")
+FAMILIES = ("qwen3_5", "deepseek_v3", "mimo", "glm4_moe", "glm4_moe_lite", "qwen3_5_moe", "qwen3_next")
 
 
 def register(subparsers: Any) -> None:

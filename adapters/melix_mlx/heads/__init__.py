@@ -21,7 +21,7 @@ loads the weights). ``head`` is an ``mlx.nn.Module`` with:
                  pass an explicit one for padded batches.
 
 Class constants: ``FAMILY``, ``CHAIN_POST_NORM`` (qwen3_5 / qwen3_5_moe / qwen3_next /
-mimo True, deepseek_v3 / glm4_moe False), ``CONCAT_ORDER`` ("hidden_first" for mimo,
+mimo True, deepseek_v3 / glm4_moe / glm4_moe_lite False), ``CONCAT_ORDER`` ("hidden_first" for mimo,
 "embedding_first" for the rest), ``NUM_LAYERS`` (layers in the head's cache list: 1).
 
 Multi-layer checkpoints load as ``stacked.StackedHead`` (one single-layer head per trained
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import deepseek_v3, glm4_moe, mimo, qwen3_5, qwen3_5_moe, qwen3_next
+from . import deepseek_v3, glm4_moe, glm4_moe_lite, mimo, qwen3_5, qwen3_5_moe, qwen3_next
 from ._base import MTPHeadBase
 
 FAMILY_MODULES: dict[str, ModuleType] = {
@@ -50,6 +50,7 @@ FAMILY_MODULES: dict[str, ModuleType] = {
     "qwen3_next": qwen3_next,
     "deepseek_v3": deepseek_v3,
     "glm4_moe": glm4_moe,
+    "glm4_moe_lite": glm4_moe_lite,
     "mimo": mimo,
 }
 
