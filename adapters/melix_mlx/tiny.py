@@ -267,56 +267,6 @@ def _qwen3_5_weights(init: _Init, c: dict) -> tuple[dict, dict]:
     return main, head
 
 
-def _deepseek_layer(init: _Init, p: str, c: dict, moe: bool) -> dict[str, mx.array]:
-    d, h = c["hidden_size"], c["num_attention_heads"]
-    qr, kvr = c["q_lora_rank"], c["kv_lora_rank"]
-    nope, rope, vdim = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
-    a = f"{p}.self_attn"
-    w = {
-        f"{a}.q_a_proj.weight": init.linear(qr, d),
-        f"{a}.q_a_layernorm.weight": init.norm(qr, one_plus=False),
-        f"{a}.q_b_proj.weight": init.linear(h * (nope + rope), qr),
-        f"{a}.kv_a_proj_with_mqa.weight": init.linear(kvr + rope, d),
-        f"{a}.kv_a_layernorm.weight": init.norm(kvr, one_plus=False),
-        f"{a}.kv_b_proj.weight": init.linear(h * (nope + vdim), kvr),  # unsplit, as in HF
-        f"{a}.o_proj.weight": init.linear(d, h * vdim),
-        f"{p}.input_layernorm.weight": init.norm(d, one_plus=False),
-        f"{p}.post_attention_layernorm.weight": init.norm(d, one_plus=False),
-    }
-    if not moe:
-        w.update(_mlp(init, f"{p}.mlp", d, c["intermediate_size"]))
-        return w
-    n_exp, inter = c["n_routed_experts"], c["moe_intermediate_size"]
-    w[f"{p}.mlp.gate.weight"] = init.linear(n_exp, d)
-    w[f"{p}.mlp.gate.e_score_correction_bias"] = mx.zeros((n_exp,), dtype=mx.float32)
-    for e in range(n_exp):  # one tensor per expert, as HF stores them
-        w.update(_mlp(init, f"{p}.mlp.experts.{e}", d, inter))
-    w.update(_mlp(init, f"{p}.mlp.shared_experts", d, inter * c["n_shared_experts"]))
-    return w
-
-
-def _deepseek_weights(init: _Init, c: dict) -> tuple[dict, dict]:
-    d, v, n = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"]
-    embed = init.normal((v, d), 1.0)
-    main: dict[str, mx.array] = {"model.embed_tokens.weight": embed}
-    for i in range(n):
-        moe = i >= c["first_k_dense_replace"] and i % c["moe_layer_freq"] == 0
-        main.update(_deepseek_layer(init, f"model.layers.{i}", c, moe))
-    main["model.norm.weight"] = init.norm(d, one_plus=False)
-    main["lm_head.weight"] = _lm_head(init, v, d, embed)
-    head: dict[str, mx.array] = {}
-    for j in range(c["num_nextn_predict_layers"]):
-        p = f"model.layers.{n + j}"
-        head.update(_deepseek_layer(init, p, c, moe=True))
-        head[f"{p}.embed_tokens.weight"] = embed  # DeepSeek ships copies of the shared ones
-        head[f"{p}.enorm.weight"] = init.norm(d, one_plus=False)
-        head[f"{p}.hnorm.weight"] = init.norm(d, one_plus=False)
-        head[f"{p}.eh_proj.weight"] = init.linear(d, 2 * d)
-        head[f"{p}.shared_head.norm.weight"] = init.norm(d, one_plus=False)
-        head[f"{p}.shared_head.head.weight"] = main["lm_head.weight"]
-    return main, head
-
-
 def _qwen2_layer(init: _Init, p: str, c: dict) -> dict[str, mx.array]:
     d, h, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
     hd = d // h
@@ -365,11 +315,11 @@ def _lm_head(init: _Init, vocab: int, dim: int, embed: mx.array) -> mx.array:
     return w.at[mx.array(special_token_ids())].multiply(0.0)
 
 
-_BUILDERS = {"qwen3_5": _qwen3_5_weights, "deepseek_v3": _deepseek_weights, "mimo": _mimo_weights}
+_BUILDERS = {"qwen3_5": _qwen3_5_weights, "mimo": _mimo_weights}
 
 
 def _builder(family: str) -> Any:
-    if family in MORE_FAMILIES:
+    if family not in _BUILDERS:  # the MoE layouts (DeepSeek-V3 included) live in tiny_moe
         from . import tiny_moe
 
         return tiny_moe.BUILDERS[family]

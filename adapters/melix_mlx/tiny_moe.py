@@ -1,5 +1,8 @@
 """Tiny checkpoints of the MoE families in their real Hugging Face layout.
 
+(Configs of the core families, deepseek_v3 among them, stay in ``melix_mlx.tiny``; the
+weight builders of every MoE layout are here.)
+
 Rules:
 - Same contract as ``melix_mlx.tiny`` (which dispatches here): seeded weights under the
   upstream HF names and conventions, head tensors included, the shared tokenizer.
@@ -24,7 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .tiny import _deepseek_weights, _Init, _lm_head, _mlp, _qwen3_5_full_attn, _qwen3_5_linear_attn
+from .tiny import _Init, _lm_head, _mlp, _qwen3_5_full_attn, _qwen3_5_linear_attn
 from .tiny_tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
 
 _COMMON = {"vocab_size": VOCAB_SIZE, "bos_token_id": EOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID}
@@ -171,6 +174,57 @@ def _norm1p(init: _Init, dim: int) -> mx.array:
     return init.norm(dim, one_plus=True)
 
 
+# -- deepseek_v3 (and glm4_moe_lite, which keeps its names) ------------------------------
+def _deepseek_layer(init: _Init, p: str, c: dict, moe: bool) -> dict[str, mx.array]:
+    d, h = c["hidden_size"], c["num_attention_heads"]
+    qr, kvr = c["q_lora_rank"], c["kv_lora_rank"]
+    nope, rope, vdim = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    a = f"{p}.self_attn"
+    w = {
+        f"{a}.q_a_proj.weight": init.linear(qr, d),
+        f"{a}.q_a_layernorm.weight": init.norm(qr, one_plus=False),
+        f"{a}.q_b_proj.weight": init.linear(h * (nope + rope), qr),
+        f"{a}.kv_a_proj_with_mqa.weight": init.linear(kvr + rope, d),
+        f"{a}.kv_a_layernorm.weight": init.norm(kvr, one_plus=False),
+        f"{a}.kv_b_proj.weight": init.linear(h * (nope + vdim), kvr),  # unsplit, as in HF
+        f"{a}.o_proj.weight": init.linear(d, h * vdim),
+        f"{p}.input_layernorm.weight": init.norm(d, one_plus=False),
+        f"{p}.post_attention_layernorm.weight": init.norm(d, one_plus=False),
+    }
+    if not moe:
+        w.update(_mlp(init, f"{p}.mlp", d, c["intermediate_size"]))
+        return w
+    n_exp, inter = c["n_routed_experts"], c["moe_intermediate_size"]
+    w[f"{p}.mlp.gate.weight"] = init.linear(n_exp, d)
+    w[f"{p}.mlp.gate.e_score_correction_bias"] = mx.zeros((n_exp,), dtype=mx.float32)
+    for e in range(n_exp):  # one tensor per expert, as HF stores them
+        w.update(_mlp(init, f"{p}.mlp.experts.{e}", d, inter))
+    w.update(_mlp(init, f"{p}.mlp.shared_experts", d, inter * c["n_shared_experts"]))
+    return w
+
+
+def _deepseek_weights(init: _Init, c: dict) -> tuple[dict, dict]:
+    d, v, n = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"]
+    embed = init.normal((v, d), 1.0)
+    main: dict[str, mx.array] = {"model.embed_tokens.weight": embed}
+    for i in range(n):
+        moe = i >= c["first_k_dense_replace"] and i % c["moe_layer_freq"] == 0
+        main.update(_deepseek_layer(init, f"model.layers.{i}", c, moe))
+    main["model.norm.weight"] = init.norm(d, one_plus=False)
+    main["lm_head.weight"] = _lm_head(init, v, d, embed)
+    head: dict[str, mx.array] = {}
+    for j in range(c["num_nextn_predict_layers"]):
+        p = f"model.layers.{n + j}"
+        head.update(_deepseek_layer(init, p, c, moe=True))
+        head[f"{p}.embed_tokens.weight"] = embed  # DeepSeek ships copies of the shared ones
+        head[f"{p}.enorm.weight"] = init.norm(d, one_plus=False)
+        head[f"{p}.hnorm.weight"] = init.norm(d, one_plus=False)
+        head[f"{p}.eh_proj.weight"] = init.linear(d, 2 * d)
+        head[f"{p}.shared_head.norm.weight"] = init.norm(d, one_plus=False)
+        head[f"{p}.shared_head.head.weight"] = main["lm_head.weight"]
+    return main, head
+
+
 # -- glm4_moe ------------------------------------------------------------------------------
 def _glm_layer(init: _Init, p: str, c: dict, moe: bool) -> dict[str, mx.array]:
     d, h, kv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
@@ -291,6 +345,7 @@ def _glm4_moe_lite_weights(init: _Init, c: dict) -> tuple[dict, dict]:
 
 
 BUILDERS = {
+    "deepseek_v3": _deepseek_weights,
     "glm4_moe": _glm4_moe_weights,
     "glm4_moe_lite": _glm4_moe_lite_weights,
     "qwen3_5_moe": _hybrid_weights("qwen3_5_moe"),

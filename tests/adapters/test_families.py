@@ -26,7 +26,7 @@ from melix_mlx.convert import convert
 from melix_mlx.heads import HEAD_CLASSES
 from melix_mlx.hidden import forward_with_hidden, main_parts
 from melix_mlx.loading import load_with_heads, safetensors_keys
-from melix_mlx.tiny import MORE_FAMILIES
+from melix_mlx.tiny import ALL_FAMILIES, MORE_FAMILIES
 from melix_mlx.tiny_tokenizer import VOCAB_SIZE
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
@@ -158,7 +158,7 @@ def test_converted_dir_gives_identical_head(family_heads, family, tmp_path):
         assert mx.abs(u - v).max().item() == 0.0
 
 
-@pytest.mark.parametrize("family", MORE_FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_cli_make_tiny_then_generate_prompt_and_prompts_file(family, tmp_path, capsys):
     target = tmp_path / family
     assert main(["make-tiny", family, str(target)]) == 0
