@@ -49,7 +49,8 @@ class DropsHeadPairsOnFilter(MTPBatchGenerator):
     """filter() drops the surviving rows' head state (next draft, pending pairs) and nothing else.
 
     Tokens stay exact (verification guards them); the next cycle then has no draft to
-    verify, its forward raises, and the generator swallows that as a fault.
+    verify and raises: inside a head forward a fault, elsewhere in the cycle an engine error
+    that surfaces as itself.
     """
 
     def _filter(self, keep: list[int]) -> None:
