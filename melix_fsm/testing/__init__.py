@@ -7,20 +7,38 @@ Rules of this package:
 - The report contract the kit checks is melix_fsm.report (`StepReport`,
   `validate_report`); docs/conformance.md explains each property and how to replay a
   failure.
-- Layers: `ReportMirror` (pure: judges StepReports against a shadow Batch), then
-  `ConformanceDriver` (runs operations on a generator, checks tokens, records the
-  schedule; `replay` re-runs one), then `make_conformance_machine` / `run_conformance`
-  (Hypothesis draws the operations and shrinks failures).
+- Layers: `surfaces` (the calls made on each generator shape), `ReportMirror` (pure:
+  judges StepReports against a shadow Batch), then `ConformanceDriver` (runs operations
+  on a generator, checks tokens, records the schedule; `replay` re-runs one), then
+  `make_conformance_machine` / `run_conformance` (Hypothesis draws the operations and
+  shrinks failures). On top: `hunt_bugs` (every distinct bug of a run, by `signature`,
+  shrunk further by `shrink`), `distribution` (sampled decoding against the target's
+  probabilities) and `qa` (the session and report behind `melix-fsm qa`).
 """
 
+from .distribution import check_distribution, draw_continuations
 from .driver import ConformanceDriver, RequestSpec, replay
+from .hunt import Bug, HuntResult, hunt_bugs
 from .machine import PROFILES, make_conformance_machine, profile_settings, run_conformance
 from .mirror import PROPERTIES, ConformanceError, ReportMirror, allowed_emissions
 from .reference import cut_at_stop, memoized, mlx_greedy_reference, mlx_stop_sequences
+from .shrink import shrink_schedule
+from .signature import Signature, signature_of
+from .surfaces import SurfaceError, as_surface
 
 __all__ = [
     "PROFILES",
     "PROPERTIES",
+    "Bug",
+    "HuntResult",
+    "Signature",
+    "SurfaceError",
+    "as_surface",
+    "check_distribution",
+    "draw_continuations",
+    "hunt_bugs",
+    "shrink_schedule",
+    "signature_of",
     "ConformanceDriver",
     "ConformanceError",
     "ReportMirror",

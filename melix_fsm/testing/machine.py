@@ -5,9 +5,13 @@ Rules of this module:
   driver's operations: insert 1-3 requests (random prompt lengths, max_tokens, stop
   sequences taken from the reference's own output or random, and any extra per-request
   insert options the caller draws), `next()` once or a few times, and remove a request
-  drawn from the append-only bundle of every request ever inserted (so removing queued,
-  live, finished and already-removed requests is all exercised). Teardown drains the
-  generator: every request must then have finished with exactly the reference tokens.
+  that is still queued or live (the kit never removes an ended one). Teardown drains
+  the generator: every request must then have finished with exactly the reference
+  tokens.
+- `skip(error) -> bool`: a failure it accepts (a known bug, by signature) does not fail
+  the example, so the search goes on past known bugs: a known wrong-tokens failure
+  stops the checks of that one request and the example continues (the generator is
+  still coherent); any other known failure ends the example quietly.
 - All checking lives in the driver and the mirror; this module only draws operations.
   Each failure's message carries the JSON schedule of the shrunk example, and Hypothesis
   prints the same steps as Python calls.
@@ -29,10 +33,8 @@ import hypothesis
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
-    Bundle,
     RuleBasedStateMachine,
     get_state_machine_test,
-    multiple,
     precondition,
     rule,
 )
@@ -77,17 +79,21 @@ def make_conformance_machine(
     max_tokens: tuple[int, int] = (1, 10),
     insert_options: Mapping[str, st.SearchStrategy[Any]] | None = None,
     make_stops: StopBuilder | None = None,
-    check_events: bool = True,
+    check_events: bool | None = None,
     allow_faults: bool = False,
     name: str = "",
     seed: Any = None,
+    surface: str = "auto",
+    skip: Callable[[ConformanceError], bool] | None = None,
+    counter: list[int] | None = None,
 ) -> type[RuleBasedStateMachine]:
     """A RuleBasedStateMachine class checking `generator_factory()` against `reference`.
 
     tokens / prompt_lengths / max_tokens: inclusive ranges the requests are drawn from.
     insert_options: extra per-request keyword arguments of `insert` (each drawn per
     request and passed as a list), e.g. {"num_draft_tokens": st.integers(1, 3)}; values
-    must be plain data so they fit the JSON schedule.
+    must be plain data so they fit the JSON schedule. `counter`: a one-item list whose
+    item counts the examples started (the caller's budget).
     """
     reference = memoized(reference)
     extra = dict(insert_options or {})
@@ -102,10 +108,11 @@ def make_conformance_machine(
     )
 
     class ConformanceMachine(RuleBasedStateMachine):
-        requests = Bundle("requests")
-
         def __init__(self) -> None:
             super().__init__()
+            if counter is not None:
+                counter[0] += 1
+            self.dead = False  # a skipped (known) bug ended this example
             self.driver = ConformanceDriver(
                 generator_factory(),
                 reference,
@@ -114,10 +121,23 @@ def make_conformance_machine(
                 allow_faults=allow_faults,
                 name=name,
                 seed=seed,
+                surface=surface,
+                known=skip,
             )
 
-        @rule(target=requests, batch=st.lists(request, min_size=1, max_size=3))
-        def insert(self, batch: list[tuple]) -> Any:
+        def guarded(self, operation: Callable[[], Any]) -> None:
+            if self.dead:
+                return
+            try:
+                operation()
+            except ConformanceError as err:
+                if skip is not None and skip(err):
+                    self.dead = True
+                    return
+                raise
+
+        @rule(batch=st.lists(request, min_size=1, max_size=3))
+        def insert(self, batch: list[tuple]) -> None:
             specs = []
             for prompt, n, stop_at, noise, options in batch:
                 stops = []
@@ -129,27 +149,31 @@ def make_conformance_machine(
                 if noise is not None:
                     stops.append(noise)
                 specs.append(RequestSpec(prompt, n, tuple(stops), options))
-            return multiple(*self.driver.insert(specs))
+            self.guarded(lambda: self.driver.insert(specs))
 
         @rule()
         def step(self) -> None:
-            self.driver.step()
+            self.guarded(self.driver.step)
 
         @rule(n=st.integers(2, 4))
         def steps(self, n: int) -> None:
             for _ in range(n):
-                self.driver.step()
+                self.guarded(self.driver.step)
 
-        @precondition(lambda self: bool(self.driver.requests))
-        @rule(index=requests)
-        def remove(self, index: int) -> None:
-            self.driver.remove([index])
+        @precondition(lambda self: not self.dead and bool(self.open_requests()))
+        @rule(data=st.data())
+        def remove(self, data: st.DataObject) -> None:
+            index = data.draw(st.sampled_from(self.open_requests()), label="request")
+            self.guarded(lambda: self.driver.remove([index]))
+
+        def open_requests(self) -> list[int]:
+            return [t.index for t in self.driver.requests if t.status in ("queued", "live")]
 
         def teardown(self) -> None:
             # after a failure the generator's state is unknown: draining it would only raise a
             # second, misleading error that replaces the first
             if not self.driver.failed:
-                self.driver.drain()
+                self.guarded(self.driver.drain)
 
     ConformanceMachine.__name__ = ConformanceMachine.__qualname__ = f"Conformance_{_ident(name)}"
     return ConformanceMachine

@@ -50,6 +50,9 @@ PROPERTIES: dict[str, str] = {
     "no_silent_faults": "a row faulted (a speculative forward raised and was swallowed) in a run "
     "that injects no faults",
     "generator_raised": "the generator raised an exception",
+    "sampled_distribution": "sampled tokens at some position do not follow the target's probabilities "
+    "(a G-test at the stated false-alarm rate)",
+    "impossible_token": "a sampled token has probability zero under the target's distribution",
 }
 
 _VERIFIED = Event("verified")
@@ -62,14 +65,17 @@ class ConformanceError(MelixError, AssertionError):
 
     `schedule` (set by the driver) holds the operations performed so far as plain dicts,
     the failing one last: `melix_fsm.testing.replay` re-runs them without Hypothesis.
+    `where` says where in a request's life it failed (melix_fsm.testing.signature uses it
+    to tell distinct bugs apart); the driver fills it in when the raiser did not.
     """
 
-    def __init__(self, prop: str, detail: str, uid: Any = None) -> None:
+    def __init__(self, prop: str, detail: str, uid: Any = None, where: str = "") -> None:
         if prop not in PROPERTIES:
             raise ValueError(f"unknown conformance property {prop!r}")
         self.prop = prop
         self.detail = detail
         self.uid = uid
+        self.where = where
         self.schedule: list[dict[str, Any]] = []
         self.context = ""
         super().__init__(self._text())

@@ -12,4 +12,5 @@ COMMAND_MODULES: tuple[str, ...] = (
     "melix_mlx.commands.bench",
     "melix_mlx.commands.make_tiny",
     "melix_mlx.commands.convert",
+    "melix_mlx.commands.qa",
 )

@@ -1,0 +1,173 @@
+"""`melix-fsm qa` end to end on a tiny checkpoint: the control, our generator, a planted crash.
+
+Rules of this file:
+- The built-in targets must pass: `mlx-lm` (mlx-lm's BatchGenerator, the control) and
+  `melix` (MTPBatchGenerator), exactness and distribution, exit 0.
+- A foreign generator plugged in by import path (qa_planted_target.py, written for
+  these tests: mlx-lm's BatchGenerator with the "every row finished" crash planted) is
+  caught: exit 1, its signature, a short schedule that `--replay` reproduces (exit 1);
+  `--skip SIGNATURE` then passes (exit 0). A stream_generate-like factory passes.
+- Usage errors exit 2 with a one-line reason.
+- Budgets are tiny (3 examples per round, 300 draws); the shared-uniform bias on the
+  real cycle engine is in a slow test (many draws).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from melix_fsm.cli import main
+
+HERE = Path(__file__).parent
+SMALL = ["--max-examples", "3", "--draws", "300", "--seed", "11"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_checkpoint: Callable[..., Path]) -> str:
+    return str(tiny_checkpoint("mimo"))
+
+
+@pytest.fixture(autouse=True)
+def planted_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(HERE))
+    sys.modules.pop("qa_planted_target", None)
+
+
+def qa(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, Any, str]:
+    code = main(["qa", *args])
+    out, err = capsys.readouterr()
+    try:
+        return code, json.loads(out), err
+    except ValueError:
+        return code, out, err
+
+
+@pytest.mark.parametrize("target", ["mlx-lm", "melix"])
+def test_builtin_targets_pass(capsys: pytest.CaptureFixture[str], model_dir: str, target: str) -> None:
+    code, report, err = qa(capsys, target, "--model", model_dir, "--json", *SMALL)
+    assert code == 0, (report, err)
+    assert report["verdict"] == "pass" and report["bugs"] == []
+    assert report["lifecycle_events_checked"] is (target == "melix")
+    dist = report["distribution"]
+    assert dist["draws"] == 300 and dist["alpha"] == 1e-3
+    assert dist["positions"][0]["df"] > 0  # the first position was really tested
+
+
+def test_planted_crash_is_found_replayed_and_skipped(
+    capsys: pytest.CaptureFixture[str], model_dir: str, tmp_path: Path
+) -> None:
+    target = "qa_planted_target:crashes_when_all_finished"
+    code, report, _ = qa(capsys, target, "--model", model_dir, "--json", "--temperature", "0", *SMALL)
+    assert code == 1
+    (bug,) = report["bugs"]
+    assert bug["signature"] == "generator_raised:IndexError@qa_planted_target.py:_prepare_next_step"
+    assert 2 <= len(bug["schedule"]) <= 3, bug["schedule"]
+    saved = tmp_path / "bug.json"
+    saved.write_text(json.dumps(bug))
+    code, replayed, _ = qa(capsys, target, "--model", model_dir, "--replay", str(saved), "--json")
+    assert code == 1 and replayed["replayed"][0]["signature"] == bug["signature"]
+    code, _, _ = qa(capsys, "mlx-lm", "--model", model_dir, "--replay", str(saved), "--json")
+    assert code == 0  # the control passes the same schedule
+    code, again, _ = qa(
+        capsys,
+        target,
+        "--model",
+        model_dir,
+        "--json",
+        "--temperature",
+        "0",
+        "--skip",
+        bug["signature"],
+        *SMALL,
+    )
+    assert code == 0 and again["bugs"] == [] and again["exactness"]["skipped"] == [bug["signature"]]
+
+
+def test_text_report_names_the_bug_and_its_schedule(
+    capsys: pytest.CaptureFixture[str], model_dir: str
+) -> None:
+    code, text, _ = qa(
+        capsys,
+        "qa_planted_target:crashes_when_all_finished",
+        "--model",
+        model_dir,
+        "--temperature",
+        "0",
+        *SMALL,
+    )
+    assert code == 1
+    assert "bug 1: generator_raised:IndexError@qa_planted_target.py:_prepare_next_step" in text
+    assert "tokens only" in text and "verdict: FAIL (1 distinct bug(s))" in text
+    schedule_line = next(line for line in text.splitlines() if line.strip().startswith('[{"op"'))
+    assert json.loads(schedule_line)[0]["op"] == "insert"
+
+
+def test_stream_factory_passes(capsys: pytest.CaptureFixture[str], model_dir: str) -> None:
+    code, report, err = qa(
+        capsys,
+        "qa_planted_target:greedy_stream",
+        "--model",
+        model_dir,
+        "--json",
+        "--temperature",
+        "0",
+        *SMALL,
+    )
+    assert code == 0, (report, err)
+    assert report["settings"]["surface"] == "auto" and report["distribution_note"].startswith("temperature 0")
+
+
+def test_factory_without_temperature_says_why_distribution_did_not_run(
+    capsys: pytest.CaptureFixture[str], model_dir: str
+) -> None:
+    code, report, _ = qa(capsys, "qa_planted_target:greedy_only", "--model", model_dir, "--json", *SMALL)
+    assert code == 0
+    assert report["distribution"] is None and "takes no temperature" in report["distribution_note"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["nonsense", "--model", "{m}"], "neither a built-in"),
+        (["no_such_module_x:f", "--model", "{m}"], "cannot import"),
+        (["mlx-lm", "--model", "/no/such/dir"], "no such checkpoint"),
+        (["mlx-lm", "--model", "{m}", "--skip", "bogus:*"], "unknown property"),
+        (["mlx-lm", "--model", "{m}", "--temperature", "-1"], "temperature"),
+        (["qa_planted_target:not_a_generator", "--model", "{m}"], "no generator surface"),
+    ],
+)
+def test_usage_errors_exit_2(
+    capsys: pytest.CaptureFixture[str], model_dir: str, args: list[str], message: str
+) -> None:
+    code, _, err = qa(capsys, *[a.replace("{m}", model_dir) for a in args])
+    assert code == 2 and message in err, err
+
+
+@pytest.mark.slow
+def test_shared_uniform_on_the_real_engine_is_caught(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import qa_planted_target
+
+    monkeypatch.setattr("melix_mlx.engine.accept_sampled", qa_planted_target.accept_with_one_uniform)
+    code, report, _ = qa(
+        capsys,
+        "melix",
+        "--model",
+        "stdlib-tiny",
+        "--json",
+        "--max-examples",
+        "1",
+        "--draws",
+        "6000",
+        "--seed",
+        "3",
+    )
+    assert code == 1
+    assert [b["property"] for b in report["bugs"]] == ["sampled_distribution"]
