@@ -49,6 +49,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from melix_fsm.errors import MelixError
+
 from . import absorbed_mla, capture, rollback
 from .acceptance import accept_sampled
 from .cycle_clock import CycleClock
@@ -59,7 +61,7 @@ Sampler = Callable[[mx.array], mx.array]
 PENDING_FLUSH = 32  # plain steps after which pending head pairs are fed to the head
 
 
-class CallerError(Exception):
+class CallerError(MelixError):
     """A caller's own sampler or logits processor raised inside a cycle.
 
     It is the caller's bug, not a speculative fault: the engine restores its caches and
@@ -79,7 +81,7 @@ def _caller(fn: Callable[..., mx.array], *args: Any) -> mx.array:
         raise CallerError(exc) from exc
 
 
-class ForwardFailed(Exception):
+class ForwardFailed(MelixError):
     """A model or head forward of a speculative cycle raised (wraps the cause).
 
     Only these become speculative faults: an error anywhere else in the engine is a bug
@@ -99,7 +101,7 @@ def _forward(fn: Callable[..., Any], *args: Any) -> Any:
         raise ForwardFailed(exc) from exc
 
 
-class SpeculativeFault(Exception):
+class SpeculativeFault(MelixError):
     """A speculative cycle failed; caches were restored to the cycle's start."""
 
     def __init__(self, cause: BaseException, *, drafted: bool) -> None:

@@ -4,24 +4,35 @@ Rules of this module:
 - A reference decoder is any callable `(prompt: tuple[int, ...], max_tokens: int) ->
   tuple[int, ...]`: the tokens the generator under test must produce for that request
   (the kit cuts them at the request's stop sequences itself). It must be deterministic.
-- The defaults are mlx-lm's own greedy decoding and stop sequences, implemented in
-  `melix_mlx.reference` and loaded only when called: `import melix_fsm.testing` never
-  imports mlx, so the core and its tests run where mlx is not installed.
+- The defaults are mlx-lm's own greedy decoding and stop sequences, provided by the
+  package registered under the `melix_fsm.kit_defaults` entry point (the mlx adapter's
+  melix_mlx.reference) and loaded only when called: `import melix_fsm.testing` never
+  imports mlx, and the core names no adapter module.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
 from typing import Any
+
+from ..errors import ConfigError
 
 Reference = Callable[[tuple[int, ...], int], tuple[int, ...]]
 
 
+DEFAULTS_GROUP = "melix_fsm.kit_defaults"
+
+
 def _mlx_reference_module() -> Any:
-    # The defaults live with the mlx-lm glue; importing them by name keeps this package
-    # free of mlx until a caller actually asks for the default reference.
-    return importlib.import_module("melix_mlx.reference")
+    """The installed provider of the kit's defaults (first entry point by name)."""
+    found = sorted(entry_points(group=DEFAULTS_GROUP), key=lambda e: e.name)
+    if not found:
+        raise ConfigError(
+            "reference", f"no {DEFAULTS_GROUP!r} provider is installed: pass a reference decoder "
+            "and stop builder, or install melix-fsm with its mlx extra"
+        )
+    return found[0].load()
 
 
 def mlx_greedy_reference(model: Any, *, min_tokens: int = 10) -> Reference:

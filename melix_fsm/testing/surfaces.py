@@ -26,10 +26,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..errors import MelixError
+from .reference import mlx_stop_sequences
+
 SURFACE_KINDS = ("auto", "batch", "state-machines", "stream")
 
 
-class SurfaceError(ValueError):
+class SurfaceError(MelixError, ValueError):
     """The generator's shape does not fit the surface asked for (a usage error)."""
 
 
@@ -264,7 +267,7 @@ def as_surface(
 
 def default_stop_sequences(stops: Sequence[Sequence[int]]) -> Any:
     """mlx-lm's `StopSequences` for one request (what 0.32's `BatchGenerator.insert` takes)."""
-    return importlib.import_module("melix_mlx.reference").stop_sequences(stops)
+    return mlx_stop_sequences(stops)
 
 
 def default_state_machine(stops: Sequence[Sequence[int]]) -> Any:

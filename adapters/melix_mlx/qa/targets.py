@@ -26,10 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from melix_fsm.errors import MelixError
+
 BUILTINS = ("mlx-lm", "melix")
 
 
-class TargetError(ValueError):
+class TargetError(MelixError, ValueError):
     """TARGET cannot be resolved, loaded or built (a usage error of `melix-fsm qa`)."""
 
 
