@@ -60,6 +60,22 @@ Rules this script keeps:
   ``[C, 1, K]``, every (1+w) RMSNorm stored as w, the head under ``mtp.*`` inside
   ``model.safetensors`` (mlx-lm's ``sanitize`` drops ``mtp.`` keys; the project's loader
   reads them back and adds the 1). Same data, tokenizer, self-distillation and evaluation.
+* Depth 2 (``--chain-loss-weight W``): the decoder's second draft feeds the head its own
+  output for pair i (pre- or post-norm, the family head class's ``CHAIN_POST_NORM``) with
+  the first draft, attending to the head cache's real pairs 0..i plus that chained entry.
+  Training runs exactly that for all pairs at once (the chained entries at RoPE position
+  i + 1, a mask over the first step's keys plus their own), with the data token t_{i+2}
+  (what the verifier emits when the first draft is accepted) and the main model's argmax
+  at i+2 as target; loss = step-1 loss + W * step-2 loss. ``--head-pool-rows R`` draws R
+  rows of each head batch from the main model's own greedy continuations of
+  training-text prompts (the text a head drafts on when greedy decoding runs), the rest
+  from training text. ``--init-from DIR --init-head --steps 0`` retrains the head alone,
+  starting from DIR's head, on DIR's main model unchanged.
+* Depth growth (``--grow-from DIR``, qwen3_5): a deeper main model starts from DIR's
+  shallower one of the same widths: DIR's layers, block by block (one full-attention
+  period), are copied in order into evenly spread blocks, the new layers' residual-branch
+  output projections are zeroed, so the grown model computes DIR's function exactly
+  before training continues all layers.
 * OpenBLAS: mlx's CPU wheel ships reference BLAS (~8x slower here). When Debian's OpenBLAS
   exists and is not preloaded, the script re-executes itself with ``LD_PRELOAD`` (disable with
   ``--no-openblas``). Both paths work; the report records which BLAS ran.
@@ -220,11 +236,12 @@ class MTPHead(dsv3.DeepseekV3DecoderLayer):
         self.shared_head = SharedHeadNorm(dims, args.rms_norm_eps)
 
     def hidden(
-        self, h: mx.array, tok_emb: mx.array, cache: KVCache | None = None
+        self, h: mx.array, tok_emb: mx.array, cache: Any = None, mask: mx.array | None = None
     ) -> mx.array:
         """Pre-norm output of the head for pairs (h_i, embed(t_{i+1}))."""
         x = self.eh_proj(mx.concatenate([self.enorm(tok_emb), self.hnorm(h)], axis=-1))
-        mask = create_attention_mask(x, cache, return_array=True)
+        if mask is None:
+            mask = create_attention_mask(x, cache, return_array=True)
         return dsv3.DeepseekV3DecoderLayer.__call__(self, x, mask, cache)
 
 
@@ -324,11 +341,15 @@ def qwen3_5_head(text: Any) -> Any:
         def shared_head(self) -> _NormRef:
             return _NormRef(self.norm)
 
-        def hidden(self, h: mx.array, tok_emb: mx.array, cache: KVCache | None = None) -> mx.array:
+        def hidden(
+            self, h: mx.array, tok_emb: mx.array, cache: Any = None, mask: mx.array | None = None
+        ) -> mx.array:
             """Pre-norm output for pairs (h_i, embed(t_{i+1})): ``__call__`` minus the norm."""
             e = self.pre_fc_norm_embedding(tok_emb)
             x = self.fc(mx.concatenate([e, self.pre_fc_norm_hidden(h)], axis=-1))
-            return self.layers[0](x, mask=create_attention_mask(x, cache), cache=cache)
+            if mask is None:
+                mask = create_attention_mask(x, cache)
+            return self.layers[0](x, mask=mask, cache=cache)
 
     return TrainHead(text.args, text.model.embed_tokens, text.lm_head)
 
@@ -560,6 +581,68 @@ def train_main(
     return curve
 
 
+def decoder_chain(family: str) -> str:
+    """The hidden the project's decoder chains at depth > 1 for ``family``: "post" (after
+    the head's final norm) or "pre" (the head layer's output), from the head class itself."""
+    from melix_mlx.heads import HEAD_CLASSES
+
+    return "post" if HEAD_CLASSES[family].CHAIN_POST_NORM else "pre"
+
+
+class _KeyTap:
+    """A stand-in head cache for training's first draft step: RoPE offset 0, records the
+    keys and values it is handed so the chained step can attend to them."""
+
+    offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.keys, self.values = keys, values
+        return keys, values
+
+
+class _ChainedCache:
+    """The head cache as the decoder's second draft step sees it, for all positions at once:
+    the chained entry for pair i sits at RoPE position i + 1 (offset 1 for a sequence
+    starting at pair 0) and attends to the first step's entries 0..i plus itself
+    (``chain_mask``)."""
+
+    offset = 1
+
+    def __init__(self, tap: _KeyTap) -> None:
+        self.tap = tap
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return (mx.concatenate([self.tap.keys, keys], axis=2),
+                mx.concatenate([self.tap.values, values], axis=2))
+
+
+def chain_mask(first: int, second: int) -> mx.array:
+    """[second, first + second] boolean: chained query i sees first-step keys 0..i and its
+    own key (first + i)."""
+    rows = np.arange(second)[:, None]
+    seen = np.concatenate([np.arange(first)[None, :] <= rows,
+                           np.arange(second)[None, :] == rows], axis=1)
+    return mx.array(seen)
+
+
+def greedy_pool(
+    main: Any, train: np.ndarray, *, size: int, length: int, prompt: int,
+    rng: np.random.Generator, log: Callable[[str], None], chunk: int = 32,
+) -> np.ndarray:
+    """``size`` windows of ``length + 1`` tokens: a training-text prompt of ``prompt``
+    tokens continued by the main model's own greedy tokens, the text a head drafts on
+    at inference. Prompts come from the training files only."""
+    rows = []
+    for i in range(0, size, chunk):
+        n = min(chunk, size - i)
+        starts = rng.integers(0, len(train) - prompt, size=n)
+        prompts = np.stack([train[s : s + prompt] for s in starts])
+        seqs = greedy_continue(main, mx.array(prompts), length + 1 - prompt)
+        rows.append(np.array(seqs[:, : length + 1]))
+        log(f"greedy pool {i + n}/{size}")
+    return np.concatenate(rows).astype(np.int32)
+
+
 def train_head(
     head: MTPHead,
     main: dsv3.Model,
@@ -573,8 +656,20 @@ def train_head(
     bias_rate: float,
     rng: np.random.Generator,
     log: Callable[[str], None],
+    chain_weight: float = 0.0,
+    chain: str = "pre",
+    pool: np.ndarray | None = None,
+    pool_rows: int = 0,
 ) -> list[tuple[int, float]]:
-    """Self-distillation: the frozen main model supplies h_i and the target at i+1."""
+    """Self-distillation: the frozen main model supplies h_i and the target at i+1.
+
+    ``chain_weight > 0`` adds the second draft step as the decoder runs it: the head's own
+    output for pair i (``chain`` "pre" or "post" its final norm) with token t_{i+2}, attending
+    to the first step's entries 0..i, trained on the main model's argmax at i+2; the loss is
+    step-1 loss + chain_weight * step-2 loss. ``pool_rows`` of each batch come from
+    ``pool`` (the main model's greedy continuations), the rest from training text."""
+    if chain_weight and target != "distill":
+        raise SystemExit("--chain-loss-weight needs --head-target distill")
     main.freeze()
     mlp = getattr(head, "mlp", None)  # a DeepSeek-V3 head layer; Qwen3.5 nests its layer
     gate = mlp.gate if isinstance(mlp, dsv3.DeepseekV3MoE) else None
@@ -583,31 +678,45 @@ def train_head(
         gate.freeze(keys=["e_score_correction_bias"])
     opt = optim.AdamW(learning_rate=lr_schedule(lr, steps, max(1, min(50, steps // 10))),
                       weight_decay=0.01)
+    second_mask = chain_mask(length, length - 1)
+
+    def layer(hd: MTPHead, h: mx.array, emb: mx.array, cache: Any, mask: mx.array | None):
+        """The head's pre-norm output, and the routed MLP's input (DeepSeek-V3 MoE head:
+        recomputed explicitly so the router's load is visible)."""
+        if gate is None:
+            return hd.hidden(h, emb, cache, mask), None
+        x = hd.eh_proj(mx.concatenate([hd.enorm(emb), hd.hnorm(h)], axis=-1))
+        if mask is None:
+            mask = create_attention_mask(x, None, return_array=True)
+        x = x + hd.self_attn(hd.input_layernorm(x), mask, cache)
+        xn = hd.post_attention_layernorm(x)
+        return x + hd.mlp(xn), xn
 
     def loss_fn(hd: MTPHead, w: mx.array) -> tuple[mx.array, mx.array]:
         h = mx.stop_gradient(main.model(w))  # post-norm hidden, (B, T, D)
+        greedy = None
         if target == "distill":
-            tgt = mx.stop_gradient(mx.argmax(main.lm_head(h[:, 1:]), axis=-1))
+            greedy = mx.stop_gradient(mx.argmax(main.lm_head(h), axis=-1))  # [j] -> t_{j+1}
+            tgt = greedy[:, 1:]
         elif target == "soft":  # the main model's whole next-token distribution
             tgt = mx.stop_gradient(mx.softmax(main.lm_head(h[:, 1:]), axis=-1))
         else:
             tgt = w[:, 2:]
-        emb = main.model.embed_tokens(w[:, 1:])
-        if not hasattr(hd, "eh_proj"):  # Qwen3.5: the head module's own forward
-            x = hd.hidden(h[:, :-1], emb)
-        else:
-            # Recompute the head layer explicitly so the router's load is visible.
-            x = hd.eh_proj(mx.concatenate([hd.enorm(emb), hd.hnorm(h[:, :-1])], axis=-1))
-            mask = create_attention_mask(x, None, return_array=True)
-            x = x + hd.self_attn(hd.input_layernorm(x), mask)
-            xn = hd.post_attention_layernorm(x)
-            x = x + hd.mlp(xn)
+        tap = _KeyTap() if chain_weight else None
+        x, xn = layer(hd, h[:, :-1], main.model.embed_tokens(w[:, 1:]), tap, None)
         logits = head_logits(hd, main, x)
         # Distillation has a target for all T pairs; the data token t_{i+2} for T-1.
         if target in ("distill", "soft"):
             loss = nn.losses.cross_entropy(logits, tgt, reduction="mean")
         else:
             loss = nn.losses.cross_entropy(logits[:, :-1], tgt, reduction="mean")
+        if chain_weight:
+            fed = hd.shared_head.norm(x) if chain == "post" else x
+            x2, _ = layer(hd, fed[:, :-1], main.model.embed_tokens(w[:, 2:]),
+                          _ChainedCache(tap), second_mask)
+            loss2 = nn.losses.cross_entropy(head_logits(hd, main, x2), greedy[:, 2:],
+                                            reduction="mean")
+            loss = loss + chain_weight * loss2
         if gate is None:
             return loss, mx.zeros((1,))
         inds, _ = hd.mlp.gate(xn)
@@ -630,9 +739,12 @@ def train_head(
     step = mx.compile(step, inputs=state, outputs=state)
     curve: list[tuple[int, float]] = []
     t0, running = time.time(), 0.0
+    pool_rows = pool_rows if pool is not None else 0
     for it in range(1, steps + 1):
-        w = mx.array(sample_windows(train, rng, batch, length))
-        loss = step(w)
+        rows = sample_windows(train, rng, batch - pool_rows, length)
+        if pool_rows:
+            rows = np.concatenate([rows, pool[rng.integers(0, len(pool), size=pool_rows)]])
+        loss = step(mx.array(rows))
         mx.eval(state, loss)
         running += loss.item()
         if it % 25 == 0 or it == steps:
@@ -827,6 +939,47 @@ def save_checkpoint(
     }
 
 
+# Each layer's residual-branch outputs: zeroed, a layer adds nothing to its input.
+_BRANCH_OUTPUTS = ("linear_attn.out_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+def grow_layers(new: list[nn.Module], old: list[nn.Module], interval: int) -> list[int]:
+    """Depth growth: the ``old`` layers, block by block (``interval`` layers, the hybrid's
+    period), are copied into evenly spread blocks of ``new``, in order; every other new layer
+    has its residual-branch output projections zeroed, so the grown model computes exactly
+    the old model's function before training. Returns the new index of each old layer."""
+    if len(old) % interval or len(new) % interval or len(new) < len(old):
+        raise SystemExit(f"--grow-from: {len(old)} -> {len(new)} layers is not whole blocks "
+                         f"of {interval}")
+    old_blocks, new_blocks = len(old) // interval, len(new) // interval
+    placed = {b * new_blocks // old_blocks: b for b in range(old_blocks)}
+    where: list[int] = []
+    for nb in range(new_blocks):
+        for j in range(interval):
+            layer = new[nb * interval + j]
+            if nb in placed:
+                layer.update(old[placed[nb] * interval + j].parameters())
+                where.append(nb * interval + j)
+                continue
+            flat = dict(tree_flatten(layer.parameters()))
+            layer.load_weights([(k, mx.zeros_like(flat[k])) for k in _BRANCH_OUTPUTS if k in flat],
+                               strict=False)
+    return where
+
+
+def stored_head(path: Path, family: str, args: Any) -> dict[str, mx.array]:
+    """The head's own tensors of checkpoint ``path`` under the training head's names."""
+    if family == "qwen3_5":
+        from melix_mlx.heads.qwen3_5 import from_hf
+
+        raw = mx.load(str(path / "model.safetensors"))
+        return {k: v.astype(mx.float32) for k, v in from_hf(raw, {}).items()}
+    prefix = f"model.layers.{args.num_hidden_layers}"
+    weights = mx.load(str(path / "mtp.safetensors"))
+    return {k: v.astype(mx.float32) for k, v in layer_from_hf(weights, prefix, args).items()
+            if not k.startswith(("embed_tokens.", "shared_head.head."))}
+
+
 def verify_checkpoint(
     out: Path, main: dsv3.Model, head: MTPHead | None, windows: np.ndarray
 ) -> dict[str, Any]:
@@ -934,9 +1087,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--init-from", type=Path, default=None,
                     help="continue training the main model from this checkpoint (same config; "
                          "its training_report.json command ran first); batches are drawn from "
-                         "a different stream; the head is trained afresh")
+                         "a different stream; the head is trained afresh unless --init-head")
+    ap.add_argument("--grow-from", type=Path, default=None,
+                    help="qwen3_5: start the main model from this shallower checkpoint (same "
+                         "widths): its layers spread in order over the deeper stack, the new "
+                         "layers' output projections zeroed (same function at step 0)")
+    ap.add_argument("--init-head", action="store_true",
+                    help="with --init-from: start the head from that checkpoint's head too "
+                         "(with --steps 0 this retrains the head alone on the same main model)")
+    ap.add_argument("--chain-loss-weight", type=float, default=0.0,
+                    help="add the second draft step (the head chained on its own output, as "
+                         "the decoder runs it) to the head loss with this weight")
+    ap.add_argument("--head-pool-rows", type=int, default=0,
+                    help="rows of each head batch drawn from the main model's own greedy "
+                         "continuations of training-text prompts (the text heads draft on)")
+    ap.add_argument("--greedy-pool", type=int, default=384,
+                    help="size of that pool (windows of seq-len + 1 tokens)")
+    ap.add_argument("--greedy-prompt", type=int, default=32,
+                    help="training-text prompt tokens at the start of each pool window")
     ap.add_argument("--no-openblas", action="store_true")
     opts = ap.parse_args(argv)
+    if opts.init_from is not None and opts.grow_from is not None:
+        ap.error("--init-from and --grow-from exclude each other")
+    if opts.grow_from is not None and opts.family != "qwen3_5":
+        ap.error("--grow-from is implemented for --family qwen3_5")
+    if opts.init_head and ((opts.init_from or opts.grow_from) is None or opts.no_head):
+        ap.error("--init-head needs --init-from or --grow-from, and a head")
+    if not 0 <= opts.head_pool_rows <= opts.batch:
+        ap.error("--head-pool-rows must be within 0..--batch")
     _maybe_reexec_with_openblas([__file__, *argv], opts.no_openblas)
     # Single-threaded tokenizer training keeps merges independent of thread timing.
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
@@ -950,10 +1128,13 @@ def main(argv: list[str] | None = None) -> int:
 
     mx.random.seed(opts.seed)
     # A continuation (--init-from) draws other batches than the run it continues.
-    rng = np.random.default_rng(opts.seed if opts.init_from is None else [opts.seed, 1])
+    rng = np.random.default_rng(
+        [opts.seed, 1] if opts.init_from is not None
+        else [opts.seed, 2] if opts.grow_from is not None else opts.seed)
     init_report = None
-    if opts.init_from is not None:
-        init_report = json.loads((opts.init_from / "training_report.json").read_text())
+    start_dir = opts.init_from or opts.grow_from
+    if start_dir is not None:
+        init_report = json.loads((start_dir / "training_report.json").read_text())
 
     root, train_files, held_files = stdlib_files()
     train_texts = [read_text(p) for p in train_files]
@@ -1008,6 +1189,27 @@ def main(argv: list[str] | None = None) -> int:
         whole.update(previous.parameters())  # same class and config: the same tree
         mx.eval(whole.parameters())
         log(f"main model initialised from {opts.init_from}")
+    grown_at: list[int] | None = None
+    if opts.grow_from is not None:
+        import mlx_lm
+
+        prev = json.loads((opts.grow_from / "config.json").read_text())["text_config"]
+        same = ("hidden_size", "intermediate_size", "num_attention_heads", "full_attention_interval")
+        if any(prev.get(k) != config["text_config"].get(k) for k in same):
+            raise SystemExit(f"--grow-from {opts.grow_from}: different widths or period")
+        previous, _ = mlx_lm.load(str(opts.grow_from))
+        old_text = previous.language_model
+        grown_at = grow_layers(main_model.model.layers, old_text.model.layers,
+                               opts.full_attention_interval)
+        main_model.model.embed_tokens.update(old_text.model.embed_tokens.parameters())
+        main_model.model.norm.update(old_text.model.norm.parameters())
+        main_model.lm_head.update(old_text.lm_head.parameters())
+        mx.eval(whole.parameters())
+        log(f"main model grown from {opts.grow_from}: its layers at {grown_at}")
+    if opts.init_head:
+        head.load_weights(list(stored_head(start_dir, opts.family, args).items()), strict=True)
+        mx.eval(head.parameters())
+        log(f"head initialised from {start_dir}")
     log(f"main params {n_main}, head params {n_head} (+ shared embed/lm_head)")
 
     t = time.time()
@@ -1023,11 +1225,19 @@ def main(argv: list[str] | None = None) -> int:
 
     head_curve: list[tuple[int, float]] = []
     acceptance: dict[str, Any] | None = None
+    chain = decoder_chain(opts.family)
     if head is not None:
         t = time.time()
+        pool = None
+        if opts.head_pool_rows:
+            pool = greedy_pool(main_model, train_ids, size=opts.greedy_pool, length=opts.seq_len,
+                               prompt=opts.greedy_prompt, rng=rng, log=log)
+            timings["greedy_pool_s"] = round(time.time() - t, 2)
         head_curve = train_head(head, main_model, train_ids, steps=opts.head_steps,
                                 batch=opts.batch, length=opts.seq_len, lr=opts.head_lr,
-                                target=opts.head_target, bias_rate=1e-2, rng=rng, log=log)
+                                target=opts.head_target, bias_rate=1e-2, rng=rng, log=log,
+                                chain_weight=opts.chain_loss_weight, chain=chain, pool=pool,
+                                pool_rows=opts.head_pool_rows)
         timings["head_train_s"] = round(time.time() - t, 2)
 
         t = time.time()
@@ -1047,6 +1257,7 @@ def main(argv: list[str] | None = None) -> int:
             "teacher_forced_k1": tf,
             "greedy_decode": decode,
             "chain_hidden": best,
+            "decoder_chain": chain,
             "chain_note": "depth>1 feeds the head's own output back as the hidden input "
                           "with its own drafted token; 'post' = after shared_head.norm, "
                           "'pre' = raw decoder-layer output",
@@ -1072,13 +1283,18 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint": opts.out.name,
         "command": "python scripts/train_checkpoint.py " + " ".join(argv),
         "init_from": None if init_report is None else {
-            "path": str(opts.init_from),
+            "path": str(start_dir),
+            "grown": None if grown_at is None else {
+                "old_layers_at": grown_at,
+                "rule": "the old layers copied in order into these indices; the other layers "
+                        "fresh with linear_attn.out_proj / self_attn.o_proj / mlp.down_proj "
+                        "zeroed (the grown model equals the old one before training)"},
             "command": init_report["command"],
             "init_from": init_report.get("init_from"),
             "training": {k: init_report["training"][k]
                          for k in ("seed", "steps", "batch", "seq_len", "lr", "main_loss_curve")},
-            "note": "the main model continued from this run's main model; run its command "
-                    "first, then this one",
+            "note": "the main model continued from (or grew from) this run's main model; "
+                    "run its command first, then this one",
         },
         "data": {
             "source": "sysconfig.get_paths()['stdlib'] top-level *.py, sorted, "
@@ -1107,6 +1323,17 @@ def main(argv: list[str] | None = None) -> int:
             "head_target": opts.head_target if head is not None else None,
             "head_layer": None if head is None else ("moe" if opts.moe_head else "dense"),
             "head_moe_bias_balancing_rate": 1e-2 if head is not None and opts.moe_head else None,
+            "head_init": "from --init-from's head" if opts.init_head else "fresh",
+            "head_chain_loss": None if not opts.chain_loss_weight else {
+                "weight": opts.chain_loss_weight, "chain": chain,
+                "rule": "step-1 loss + weight * step-2 loss; step 2 = the head on its own "
+                        "output for pair i and token t_{i+2}, attending to step-1 entries "
+                        "0..i, target the main model's argmax at i+2"},
+            "head_greedy_pool": None if not opts.head_pool_rows else {
+                "rows_per_batch": opts.head_pool_rows, "windows": opts.greedy_pool,
+                "prompt_tokens": opts.greedy_prompt,
+                "rule": "training-text prompts continued by the main model's own greedy "
+                        "tokens"},
         },
         "acceptance": acceptance,
         "layout": {
