@@ -114,6 +114,17 @@ def test_greedy_completions_equal_mlx_lm_server(server: Any, mlx_lm_server: str)
         assert ours.usage.prompt_tokens == theirs.usage.prompt_tokens
 
 
+def test_greedy_token_ids_and_logprobs_equal_mlx_lm_server(server: Any, mlx_lm_server: str) -> None:
+    for prompt in PROMPTS[:3]:
+        body = json.dumps({"prompt": prompt, "max_tokens": 24, "temperature": 0, "logprobs": True}).encode()
+        ours_lp, theirs_lp = (
+            json.loads(raw(url, "POST", "/v1/completions", body)[1])["choices"][0]["logprobs"]["content"]
+            for url in (server.url, mlx_lm_server)
+        )
+        assert [t["id"] for t in ours_lp] == [t["id"] for t in theirs_lp], prompt
+        assert [t["logprob"] for t in ours_lp] == pytest.approx([t["logprob"] for t in theirs_lp], abs=1e-4)
+
+
 def test_greedy_chat_equals_mlx_lm_server_and_mtp_drafted(server: Any, mlx_lm_server: str) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story"}]
     answers = []

@@ -32,6 +32,7 @@ DISCONNECTS = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 
 class MelixAPIHandler(APIHandler):
     max_tokens_limit: int = 1 << 16  # set per server (melix_mlx.serve.app)
+    timeout = 300  # seconds a socket read or write may stall: a stuck client frees its thread
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
         logging.debug("%s - %s", self.address_string(), format % args)
