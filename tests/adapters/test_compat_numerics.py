@@ -7,8 +7,8 @@ change a greedy token. The tests measure, per dtype, the share of runs whose tok
 differ from mlx-lm's `generate_step` on the same loaded model (recorded with
 `record_property`, printed with -s) and assert what the README states:
 - float32, float16, 4- and 8-bit weights: no run differs;
-- bfloat16: runs may differ; the same runs in float32 do not (so the difference is the
-  dtype's rounding, not the algorithm), and sampled bfloat16 output still follows
+- bfloat16: runs may differ (measured, reported); the same runs in float32 do not (so a
+  difference is the dtype's rounding, not the algorithm), and sampled bfloat16 output follows
   mlx-lm's distribution (a G-test on the joint of the first two tokens, the second from
   a verify, as tests/adapters/test_decode_sampling.py does in float32).
 The sweep over both embedded checkpoints, every dtype and held-out prompts is
@@ -17,7 +17,6 @@ The sweep over both embedded checkpoints, every dtype and held-out prompts is
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -82,30 +81,22 @@ def measure(model: Any, head_for: HeadFor, prompts, n: int, depths) -> Mismatche
     return out
 
 
-def _tiny_run(tiny_checkpoint, dtype: str) -> Mismatches:
-    """A random tiny mimo (near-flat logits: many near-ties) with a scripted head that is
-    right except every fourth draft, so acceptance and rollback both run."""
-    model, _, head, _ = load_with_heads(tiny_checkpoint("mimo"))
-    cast(model, head, dtype)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1, VOCAB_SIZE) for _ in range(12)] for _ in range(6)]
-    hidden = main_parts(model).args.hidden_size
-
-    def scripted(prompt: list[int], want: list[int]) -> ScriptedHead:
-        return ScriptedHead([prompt + want], VOCAB_SIZE, hidden, wrong_every=4)
-
-    return measure(model, scripted, prompts, 40, (1, 2))
+QUICK_PROMPTS = ["import os\n", "class Parser:\n    def __init__(self"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_mismatch_rate_tiny(tiny_checkpoint, dtype: str, record_property) -> None:
-    result = _tiny_run(tiny_checkpoint, dtype)
-    record_property(f"greedy_mismatch_tiny_mimo_{dtype}", str(result))
-    print(f"tiny mimo {dtype}: {result}")
+def test_greedy_mismatch_rate_quick(dtype: str, record_property) -> None:
+    """One representative cell: the embedded hybrid checkpoint with its own head, k = 2."""
+    model, tokenizer, head, _ = load_with_heads(resolve_model("stdlib-hybrid"))
+    cast(model, head, dtype)
+    prompts = [tokenizer.encode(text) for text in QUICK_PROMPTS]
+    result = measure(model, lambda prompt, want: head, prompts, 32, (2,))
+    record_property(f"greedy_mismatch_stdlib-hybrid_{dtype}", str(result))
+    print(f"stdlib-hybrid {dtype}: {result}")
     if dtype in IDENTICAL:
         assert result.differing == 0, str(result)
-    else:  # measured, not asserted to be zero; the float32 cell above is the control
-        assert 0 <= result.differing <= result.runs
+    else:  # measured and reported, not promised: the float32 cell is the control
+        assert result.runs == len(QUICK_PROMPTS)
 
 
 @pytest.mark.slow
