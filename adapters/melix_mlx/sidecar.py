@@ -228,7 +228,7 @@ def load_with_sidecar(
 
     from . import head_receipt
     from .errors import UnvalidatedSidecar
-    from .loading import HeadInfo, _first_float_dtype, load_main
+    from .loading import MELIX_CONFIG_KEY, HeadInfo, _first_float_dtype, load_main
 
     path, pack = Path(path), Path(pack)
     model, config = load_main(path)
@@ -239,16 +239,18 @@ def load_with_sidecar(
         raise UnvalidatedSidecar(f"{pack}: {result.failure}", report=result, receipt=receipt)
     head_receipt.attach(head, receipt)
     main_quant = config.get("quantization") or {}
+    pack_cfg = json.loads((pack / "config.json").read_text()) if (pack / "config.json").is_file() else {}
+    fmt = "melix" if isinstance(pack_cfg.get(MELIX_CONFIG_KEY), dict) else "hf"
     info = HeadInfo(
         family=detect_family(config),
         model_type=str(config.get("model_type")),
         advertised_layers=advertised_head_count(config),
         layer_index=0,
         head_layers=len(getattr(head, "heads", [head])),
-        head_format="hf",
+        head_format=fmt,
         source_files=tuple(result.files),
         sidecar=True,
-        norms_repaired_on_load=family_entry(config).norm_repair == "plus_one",
+        norms_repaired_on_load=family_entry(config).norm_repair == "plus_one" and fmt == "hf",
         head_dtype=_first_float_dtype(head),
         head_quantized=any(isinstance(m, nn.QuantizedLinear) for _, m in head.named_modules()),
         main_quantized=bool(main_quant),

@@ -200,3 +200,22 @@ def test_cli_generate_with_mtp_sidecar(parts, tmp_path, capsys):
     status, [out], _ = run_json(capsys, "generate", "--model", str(local), *common[3:], *FORCE_ON)
     assert status == 0 and out["receipt"]["sidecar"]["path"] == str(tmp_path / "model-mtp")
     assert out["method"] == "mtp" and out["stats"]["cycles"] > 0
+
+
+def test_converted_format_pack_passes(parts, tmp_path):
+    """A pack in the project's converted format (``melix_mtp.*``, norms already repaired)."""
+    from melix_mlx.convert import convert
+
+    target, _ = parts
+    converted = convert(SOURCE, tmp_path / "converted")
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    shutil.copy(converted / "mtp.safetensors", pack / "mtp.safetensors")
+    record = json.loads((converted / "config.json").read_text())["melix_mtp"]
+    (pack / "config.json").write_text(json.dumps({"model_type": "qwen3_5_mtp", "melix_mtp": record}))
+    model, _, head, info = load_with_heads(target, sidecar=pack)
+    assert info.receipt.sidecar.validated, info.receipt.message
+    assert info.head_format == "melix" and not info.norms_repaired_on_load
+    prompt = [72, 101, 108, 108, 111]
+    got, decoder = mtp(model, head, prompt, 12, 2)
+    assert got == reference(model, prompt, 12) and decoder.stats["accepted"] > 0
