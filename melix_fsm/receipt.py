@@ -357,8 +357,11 @@ def _assess_mtp(
     _caches(reg, kinds, context, r)
     r["max_depth"] = min(heads, AUTO_MAX_DEPTH) if family.chain is Chain.none else AUTO_MAX_DEPTH
     where = f"the validated sidecar {sidecar.path}" if sidecar is not None else ", ".join(scan.files)
+    layers = f"{heads} layer(s)"
+    if heads > 1:
+        layers += f" (draft step i runs layer min(i, {heads - 1}))"
     return (
-        f"mtp admitted: {family.name} head, {heads} layer(s), {r['weight_count']} tensors in "
+        f"mtp admitted: {family.name} head, {layers}, {r['weight_count']} tensors in "
         f"{where}; depth {_depth_text(config, r)}"
     )
 

@@ -17,8 +17,10 @@ Rules of this module:
     quantization  quantized tensors are complete (weight, scales, biases) and their
                   bits / group size match what the pack's or the target's config declares;
     probe         one head forward on the target's hidden states for a short probe text
-                  gives finite logits that agree with the target's own next-next token
-                  more often than chance (one-sided binomial test, `PROBE_ALPHA`).
+                  (the target's own greedy continuation) gives finite logits that agree
+                  with the target's next-next token more often than chance (one-sided
+                  binomial test, `PROBE_ALPHA`). A multi-layer pack is probed through
+                  layer 0, the layer every cycle's first draft comes from.
 - The checks run where the tensors are (melix_mlx.sidecar); this module holds the data
   and the verdict, and no mlx. `melix_fsm.receipt.resolve(..., sidecar=report)` admits a
   validated pack and refuses any other as `unvalidated_sidecar`, naming the failed check.

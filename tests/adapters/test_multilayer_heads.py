@@ -71,6 +71,7 @@ def test_both_layers_written_loaded_and_declared(two_layer, family):
     assert [head.layer_for_step(i) for i in range(4)] == [0, 1, 1, 1]
     assert info.head_layers == 2 and info.advertised_layers == 2
     assert info.receipt.head_count == 2 and info.refusal is None
+    assert "draft step i runs layer min(i, 1)" in info.receipt.message
     # the two layers hold different trained tensors, not one layer reused
     a, b = (dict(tree_flatten(h.parameters())) for h in head.heads)
     assert any(not mx.array_equal(a[k], b[k]) for k in a)
