@@ -111,7 +111,7 @@ class MTPBatchGenerator(BatchSurface):
         no_head = refusal_text(RefusalReason.unsupported_model, "no MTP head loaded")
         self.refusal = refusal or (no_head if head is None else head_receipt.refusal(head))
         if self.refusal is None:
-            self.refusal = rollback.refusal(make_prompt_cache(model, max_kv_size), model=model)
+            self.refusal = rollback.refusal(make_prompt_cache(model, max_kv_size), model=model, batched=True)
         self.batch = Batch()
         self.engine = CycleEngine(model, head, [], [])  # row i of the engine is row i of the batch
         self._queue: deque[InsertRequest] = deque()

@@ -45,7 +45,7 @@ from melix_fsm import lifecycle as lc
 from melix_fsm.lifecycle import SequenceMachine
 from melix_fsm.reasons import RefusalReason, reason_of, refusal_text
 
-from . import head_receipt, rollback
+from . import head_receipt, rollback, window_kv
 from .engine import CycleEngine, Flight, RowHead, RowPlan, SpeculativeFault
 from .prefill import prefill_with_hidden
 from .sampling import SamplingParams, normalize_logits, params_of
@@ -244,6 +244,7 @@ class MTPDecoder:
         logits, hiddens = prefill_with_hidden(
             self.model, prompt, self.cache, self.prefill_step_size, after_chunk=self._quantize
         )
+        window_kv.adopt(self.cache)  # sliding windows roll back exactly from here on
         prompt_tokens = prompt.tolist()
         logprobs = self._process(logits, prompt_tokens)
         y = int((mx.argmax(logprobs, axis=-1) if self.sampler is None else self.sampler(logprobs)).item())

@@ -16,9 +16,10 @@ Rules of this module:
   arrays on update, so the copy is cheap and exact) undoes a whole failed cycle.
 - Which strategy a cache kind gets is spec/rollback.toml's (`strategy_of`), not a class
   check re-typed here; `unsupported_kinds` refuses what the spec refuses.
-- Cache kinds that cannot be rolled back exactly (a RotatingKVCache, which is exact only
-  until it wraps; unknown kinds) are reported by `unsupported_kinds` before decoding
-  starts; nothing rolls back approximately.
+- A RotatingKVCache is exact only until it wraps: single sequences move it to
+  melix_mlx.window_kv after the prefill (strategy `window_spare`); a batch refuses it
+  (`refusal(..., batched=True)`). Unknown kinds are reported by `unsupported_kinds`
+  before decoding starts; nothing rolls back approximately.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def strategy_of(c: Any) -> str | None:
 _RUNS = {
     "trim": lambda c: isinstance(c, _TRIMMABLE_KV),
     "capture_select": lambda c: isinstance(c, ArraysCache),
+    "window_spare": lambda c: isinstance(c, RotatingKVCache),  # melix_mlx.window_kv after prefill
 }
 
 
@@ -108,7 +110,7 @@ def unsupported_kinds(cache: list[Any], model: Any = None) -> list[str]:
     return sorted(bad)
 
 
-def refusal(cache: list[Any], model: Any = None) -> str | None:
+def refusal(cache: list[Any], model: Any = None, *, batched: bool = False) -> str | None:
     """The typed runtime refusal (`"<reason>: <detail>"`) for caches without exact rollback.
 
     The reason is the spec cell's (spec/rollback.toml) for the first refused kind; a kind
@@ -117,6 +119,11 @@ def refusal(cache: list[Any], model: Any = None) -> str | None:
     """
     from melix_fsm.reasons import RefusalReason, refusal_text
 
+    if batched:  # kinds a batch cache cannot hold (spec/rollback.toml [[unmergeable]])
+        for kind in cache_kinds(cache):
+            blocked = _registry().unmergeable.get(kind)
+            if blocked is not None:
+                return refusal_text(blocked.refusal, f"batched cache kind {kind!r}: {blocked.message}")
     bad = unsupported_kinds(cache, model=model)
     if not bad:
         return None

@@ -27,6 +27,7 @@ from melix_fsm.registry import load_registry
 from melix_fsm.spec import spec_dir
 
 QUANTIZED = ServingContext(quantized_kv=True)
+BATCHED = ServingContext(batched=True)
 NEGATIVE_HEADS = {"num_nextn_predict_layers": -1}
 
 
@@ -134,7 +135,7 @@ CASES: dict[RefusalReason, Callable[..., RefusalReason | None]] = {
     RefusalReason.unsupported_model: lambda tmp, mp: _receipt(make_llama(tmp / "llama")),
     RefusalReason.unvalidated_family: _unvalidated_family,
     RefusalReason.unvalidated_sidecar: lambda tmp, mp: _receipt(make_sidecar(_tiny(), tmp / "sidecar")),
-    RefusalReason.unsupported_cache_sharing: lambda tmp, mp: _receipt(_sliding(tmp)),
+    RefusalReason.unsupported_cache_sharing: lambda tmp, mp: _receipt(_sliding(tmp), BATCHED),
     RefusalReason.unsupported_quantization: lambda tmp, mp: _receipt(_tiny(), QUANTIZED),
     RefusalReason.device_policy_disabled: _device_policy,
     RefusalReason.invalid_config: lambda tmp, mp: _receipt(_copy(_tiny(), tmp / "b", **NEGATIVE_HEADS)),
@@ -156,13 +157,11 @@ def test_reason_is_produced(reason: RefusalReason, tmp_path: Path, monkeypatch) 
 
 
 def test_runtime_cache_refusal_is_typed() -> None:
-    """A rotating cache (max_kv_size) found by the decoder: the spec cell's typed reason."""
-    from melix_mlx.decode import MTPDecoder
+    """A rotating cache (max_kv_size) in a batch, found by the generator: the spec's typed reason."""
+    from melix_mlx.batch_generator import MTPBatchGenerator
     from melix_mlx.loading import load_with_heads
-    from mlx_lm.models.cache import make_prompt_cache
 
     model, _, head, _ = load_with_heads(_tiny())
-    decoder = MTPDecoder(model, head, prompt_cache=make_prompt_cache(model, max_kv_size=64))
-    list(decoder.generate(mx.array([5, 6, 7]), 2))
-    assert decoder.stats["refusal_reason"] is RefusalReason.unsupported_cache_sharing
-    assert "rotating" in decoder.stats["refusal"]
+    gen = MTPBatchGenerator(model, head, max_kv_size=64)
+    assert reason_of(gen.refusal) is RefusalReason.unsupported_cache_sharing and "rotating" in gen.refusal
+    gen.close()

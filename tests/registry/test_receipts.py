@@ -199,12 +199,16 @@ def test_depth_beyond_heads_is_admitted_for_chaining_families(fakes: Fakes) -> N
     assert r.mode is Mode.accepted and r.effective_depth == 3 and r.head_count == 1
 
 
-def test_sliding_window_is_refused_in_every_context(fakes: Fakes) -> None:
+def test_sliding_window_runs_alone_and_unquantized(fakes: Fakes) -> None:
     path = fakes.make("mimo", update={"use_sliding_window": True, "sliding_window": 512})
-    for context in (ServingContext(), ServingContext(quantized_kv=True, chunked_prefill=True)):
+    r = resolve(path)
+    assert r.mode is Mode.accepted and any(p.kind == "rotating" and p.strategy for p in r.caches)
+    for context, reason in (
+        (ServingContext(quantized_kv=True, chunked_prefill=True), RefusalReason.unsupported_quantization),
+        (ServingContext(batched=True), RefusalReason.unsupported_cache_sharing),
+    ):
         r = resolve(path, context=context)
-        assert r.refusal_reason is RefusalReason.unsupported_cache_sharing and "rotating" in r.message
-    assert r.quantized_kv and r.chunked_prefill
+        assert r.refusal_reason is reason and "rotating" in r.message
 
 
 @pytest.mark.parametrize(

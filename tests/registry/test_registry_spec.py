@@ -70,7 +70,9 @@ def test_rollback_matrix_covers_every_cell() -> None:
                 cell = reg.rollback(kind, q, c)
                 assert (cell.strategy is None) != (cell.refusal is None)
     assert reg.rollback("arrays", False, False).strategy == "capture_select"
-    assert reg.rollback("rotating", True, False).refusal is RefusalReason.unsupported_cache_sharing
+    assert reg.rollback("rotating", False, False).strategy == "window_spare"
+    assert reg.rollback("rotating", True, False).refusal is RefusalReason.unsupported_quantization
+    assert reg.unmergeable["rotating"].refusal is RefusalReason.unsupported_cache_sharing
 
 
 FAMILY_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
@@ -127,13 +129,14 @@ def test_malformed_family_entry_names_it(edit: Callable[[dict[str, Any]], None],
     assert info.value.entry.startswith(entry), info.value
 
 
+N_CELLS = len(ROLLBACK["cells"])  # the last cell is a refusal
 ROLLBACK_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("missing cell", lambda d: d["cells"].pop(0), "kinds.kv"),
-    ("duplicate cell", lambda d: d["cells"].append(copy.deepcopy(d["cells"][0])), "cells[4]"),
+    ("duplicate cell", lambda d: d["cells"].append(copy.deepcopy(d["cells"][0])), f"cells[{N_CELLS}]"),
     ("both strategy and refusal", lambda d: d["cells"][0].update(refusal="invalid_config"), "cells[0]"),
     ("unknown strategy", lambda d: d["cells"][0].update(strategy="pray"), "cells[0].strategy"),
     ("unknown kind", lambda d: d["cells"][0].update(kind="paged"), "cells[0].kind"),
-    ("refusal not a reason", lambda d: d["cells"][3].update(refusal="nope"), "cells[3].refusal"),
+    ("refusal not a reason", lambda d: d["cells"][-1].update(refusal="x"), f"cells[{N_CELLS - 1}].refusal"),
     ("bad flag", lambda d: d["cells"][0].update(quantized_kv="yes"), "cells[0].quantized_kv"),
     ("unused strategy", lambda d: d["strategies"].update(spare={"doc": "x"}), "strategies.spare"),
 ]
