@@ -16,10 +16,10 @@ Rules of this module:
   or when the decoder refuses speculation, it decodes plainly and says why in `stats`.
 - Quantized KV takes mlx-lm's arguments (`kv_bits`, `kv_group_size`,
   `quantized_kv_start`) and gives mlx-lm's quantized-KV output (melix_mlx.decode).
+- `max_kv_size` builds mlx-lm's rotating cache; the decoder speculates on it exactly
+  (melix_mlx.window_kv) and gives mlx-lm's `max_kv_size` output.
 - Options of `generate_step` that speculation cannot honour (`input_embeddings`) raise
-  ValueError instead of being ignored; `max_kv_size` builds mlx-lm's rotating cache,
-  which the decoder refuses to speculate on (typed: `stats["refusal_reason"]`) and
-  decodes plainly.
+  ValueError instead of being ignored.
 """
 
 from __future__ import annotations
