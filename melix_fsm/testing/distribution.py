@@ -13,7 +13,9 @@ Rules of this module:
   disjoint draws). (2) A mean-probability z-test over every draw: under the target, the
   probability p(t | prefix) of a drawn token t has mean sum(p^2) and variance
   sum(p^3) - sum(p^2)^2, whatever the prefix, so the standardized sum over all draws is
-  normal. An acceptance rule that lets over-proposed drafts through (q > p, a shared
+  normal (only the `max_groups` largest prefix groups with `min_draws` or more draws
+  enter: the selection depends on earlier tokens alone, so the test stays valid, and the
+  target's forwards stay bounded). An acceptance rule that lets over-proposed drafts through (q > p, a shared
   uniform) draws tokens the target finds too unlikely, which this test sees even when
   the draws spread over many small prefix groups. Each test fails below
   `alpha / (number of tests)` (Bonferroni): the stated false-alarm rate of a whole
@@ -169,10 +171,15 @@ def check_distribution(
     *,
     alpha: float = 1e-3,
     min_group: int = 40,
+    min_draws: int = 5,
+    max_groups: int = 256,
 ) -> DistributionResult:
     """Test every position of `samples` (continuations of `prompt`); raise on a miss.
 
     `probs_of(contexts)` answers a whole position's prefixes at once (one batched forward).
+    Per position, only the `max_groups` largest prefix groups of at least `min_draws`
+    draws are tested (the z-test), and of those only groups of `min_group` or more get a
+    G-test.
     """
     prompt = tuple(int(t) for t in prompt)
     length = max((len(s) for s in samples), default=0)
@@ -183,8 +190,11 @@ def check_distribution(
             if len(s) > j:
                 groups.setdefault(tuple(s[:j]), Counter())[int(s[j])] += 1
         row = PositionResult(j)
-        prefixes = list(groups)
-        answers = probs_of([prompt + prefix for prefix in prefixes])
+        # the largest groups only: which prefixes are tested depends on earlier tokens alone,
+        # so the tests stay valid, and the target's forwards stay bounded
+        ranked = sorted(groups, key=lambda prefix: -sum(groups[prefix].values()))
+        prefixes = [p for p in ranked if sum(groups[p].values()) >= min_draws][:max_groups]
+        answers = probs_of([prompt + prefix for prefix in prefixes]) if prefixes else []
         for prefix, probs in zip(prefixes, answers):
             counts = groups[prefix]
             n = sum(counts.values())
@@ -232,7 +242,7 @@ def draw_continuations(
     draws: int,
     length: int,
     *,
-    per_insert: int = 16,
+    per_insert: int = 64,
     surface: str = "auto",
     make_stops: Any = None,
 ) -> list[tuple[int, ...]]:

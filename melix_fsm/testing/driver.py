@@ -42,7 +42,7 @@ from melix_fsm.lifecycle import Event
 
 from .mirror import ConformanceError, ReportMirror
 from .reference import Reference, cut_at_stop, memoized, mlx_greedy_reference
-from .surfaces import Emission, as_surface
+from .surfaces import Emission, SurfaceError, as_surface
 
 StopBuilder = Callable[[Sequence[Sequence[int]]], Any]
 
@@ -298,7 +298,7 @@ class ConformanceDriver:
     def _call(self, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
-        except ConformanceError:
+        except (ConformanceError, SurfaceError):  # the kit's own finding, or a usage error
             raise
         except Exception as exc:
             raise ConformanceError("generator_raised", f"{type(exc).__name__}: {exc}") from exc

@@ -7,6 +7,8 @@ Rules of this file:
   `generate_step`), run through the kit's stream surface.
 - `greedy_only`: a batch factory without a `temperature` keyword (cannot be sampled).
 - `not_a_generator`: returns something with no generator surface (a usage error).
+- `old_style`: a 0.31-style surface (`state_machines=`); on mlx-lm 0.32 its default stop
+  builder is unavailable, which the command reports as a usage error.
 - `accept_with_one_uniform`: the cycle engine's sampled acceptance with one uniform
   shared by every draft of a cycle (the planted bias of the slow distribution test).
 """
@@ -67,3 +69,23 @@ def accept_with_one_uniform(drafts: mx.array, q: mx.array, logprobs: mx.array, p
     total = residual.sum()
     dist = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p_a)
     return accepted, mx.random.categorical(mx.log(dist))
+
+
+class OldStyle:
+    """A 0.31-style surface (stops as `state_machines=`), wrapping mlx-lm 0.32's generator."""
+
+    def __init__(self, model: Any) -> None:
+        self.inner = BatchGenerator(model, prefill_batch_size=2, completion_batch_size=3)
+
+    def insert(self, prompts: list[list[int]], max_tokens: list[int], state_machines: list[Any]) -> list[int]:
+        return self.inner.insert(prompts, max_tokens)
+
+    def next(self) -> Any:
+        return self.inner.next()
+
+    def remove(self, uids: list[int]) -> None:
+        self.inner.remove(uids)
+
+
+def old_style(model: Any) -> Any:
+    return OldStyle(model)

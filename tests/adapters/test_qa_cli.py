@@ -140,6 +140,8 @@ def test_factory_without_temperature_says_why_distribution_did_not_run(
         (["mlx-lm", "--model", "{m}", "--skip", "bogus:*"], "unknown property"),
         (["mlx-lm", "--model", "{m}", "--temperature", "-1"], "temperature"),
         (["qa_planted_target:not_a_generator", "--model", "{m}"], "no generator surface"),
+        # a 0.31-style generator needs an mlx-lm that still has SequenceStateMachine
+        (["qa_planted_target:old_style", "--model", "{m}"], "no SequenceStateMachine"),
     ],
 )
 def test_usage_errors_exit_2(

@@ -101,7 +101,10 @@ def run(args: argparse.Namespace) -> int:
         return target.build(model, head, temperature)
 
     try:
-        as_surface(make(0.0), args.surface)
+        probe = as_surface(make(0.0), args.surface)
+        make_stops = getattr(probe, "make_stops", None)
+        if make_stops is not None:  # a stop builder the installed mlx-lm cannot serve fails here
+            make_stops([(3,)])
     except (SurfaceError, TargetError) as exc:
         return _usage(str(exc))
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)

@@ -9,8 +9,10 @@ Rules of this module:
   exactness run; the distribution property's T otherwise). A factory that takes no
   `temperature` cannot be run sampled: the distribution property then reports why it
   did not run, it does not guess a sampler.
-- Built-ins use small batches (prefill 2, completion 3) so queueing, staggered joins and
-  filters happen in short schedules; `melix` also draws each request's draft count.
+- Built-ins use small batches for exactness (prefill 2, completion 3) so queueing,
+  staggered joins and filters happen in short schedules, and large ones for sampling
+  (prefill 16, completion 64) so thousands of draws take few steps; `melix` also draws
+  each request's draft count.
 - Loading: `load_model(path)` tries the MTP loader first (model and head); a checkpoint
   without a head loads through mlx-lm alone, and a target that needs a head then gets a
   `TargetError` (a usage error).
@@ -66,11 +68,17 @@ def _sampler(temperature: float) -> Any:
     return make_sampler(temp=temperature)
 
 
+def _batch_sizes(temperature: float) -> dict[str, int]:
+    if temperature > 0:
+        return {"prefill_batch_size": 16, "completion_batch_size": 64}
+    return {"prefill_batch_size": 2, "completion_batch_size": 3}
+
+
 def mlx_lm_generator(model: Any, temperature: float = 0.0) -> Any:
     """mlx-lm's own BatchGenerator: the control every correct generator matches."""
     from mlx_lm.generate import BatchGenerator
 
-    return BatchGenerator(model, sampler=_sampler(temperature), prefill_batch_size=2, completion_batch_size=3)
+    return BatchGenerator(model, sampler=_sampler(temperature), **_batch_sizes(temperature))
 
 
 def melix_generator(model: Any, head: Any = None, temperature: float = 0.0) -> Any:
@@ -82,8 +90,7 @@ def melix_generator(model: Any, head: Any = None, temperature: float = 0.0) -> A
         head,
         num_draft_tokens=2,
         sampler=_sampler(temperature),
-        prefill_batch_size=2,
-        completion_batch_size=3,
+        **_batch_sizes(temperature),
     )
 
 
