@@ -33,6 +33,7 @@ class RefusalReason(enum.StrEnum):
     operator_disabled = "operator_disabled"  # method none or device policy force_off
     unreadable_checkpoint = "unreadable_checkpoint"  # a file is missing, unreadable or corrupt
     unsupported_sampler = "unsupported_sampler"  # a sampler whose distribution cannot be verified
+    unsupported_sharding = "unsupported_sharding"  # mlx-lm cannot shard it over this group
 
 
 def refusal_text(reason: RefusalReason, detail: str) -> str:

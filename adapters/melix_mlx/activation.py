@@ -67,6 +67,10 @@ def evaluate(
     replay_on_reject: whether the decoder re-runs kept tokens after a rejection on
     recurrent caches (None: `replays_on_reject(model)`). group: an mx.distributed group.
     """
+    if group is None:  # a model sharded by melix_mlx.distributed carries its group
+        from .distributed import group_of
+
+        group = group_of(model)
     policy = Policy(config.device_policy.value)
     prior = acceptance_prior(receipt.family)
     hardware = detect(device=device_kind(), dtype=model_dtype(model))

@@ -439,7 +439,7 @@ class MTPBatchGenerator(BatchSurface):
             history=TokenHistory(context) if request.processors else None,
         )
         logprobs = self._process_first(state, logits)
-        state.y = int(state.sampler(logprobs).item())
+        state.y = int(self.engine.agreed(state.sampler(logprobs)).item())  # rank 0's under a group
         self._first_logprobs[request.uid] = logprobs[0]
         state.refusal = self.refusal or (
             None

@@ -18,6 +18,7 @@ Rules of this module:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -113,13 +114,19 @@ def calibrate(
     left. `group`: an mx.distributed group to agree over (None: this process alone).
     `context`: tokens already in the cache when timing (attention grows with it; a bench
     calibrates at its prompts' length).
+
+    Under a group of several ranks every rank runs every forward (a rank that stopped
+    early on its own clock would leave the others waiting in a collective): the budget
+    is checked once, on rank 0's clock, after the measurement, and agreed like the rest.
     """
     entries: list[Timings] = []
-    deadline = timer() + budget_s
+    start = timer()
+    deadline = start + budget_s
+    together = group is not None and group.size() > 1
     failure: CalibrationError | None = None
     try:
         for B in batch_sizes:
-            left = deadline - timer()
+            left = math.inf if together else deadline - timer()
             if left <= 0:
                 raise CalibrationError("measurement_timeout", f"budget {budget_s:g} s spent before B={B}")
             try:
@@ -134,6 +141,9 @@ def calibrate(
                     *fns, k=k, batch_size=B, runs=runs, warmup=warmup, timer=timer, budget_s=left, note=note
                 )
             )
+        if together and timer() > deadline:
+            spent = f"{timer() - start:.3g} s spent, budget {budget_s:g} s"
+            raise CalibrationError("measurement_timeout", spent)
     except CalibrationError as exc:
         failure = exc
     result = TimingTable.of(*entries) if failure is None else failure
@@ -173,7 +183,8 @@ def agree(
     summed = mx.distributed.all_sum(vec, group=group).tolist()
     code0 = int(status.item())
     if code0:
-        detail = result.detail if rank0 and isinstance(result, CalibrationError) else "decided by rank 0"
+        own = result.detail if isinstance(result, CalibrationError) else ""
+        detail = _rank0_text(own, group)  # the receipt quotes it: the same text on every rank
         return CalibrationError(_REASON_CODES[code0], detail)  # type: ignore[arg-type]
     entries = [
         Timings(
@@ -189,6 +200,17 @@ def agree(
         for i, b in enumerate(batch_sizes)
     ]
     return TimingTable.of(*entries)
+
+
+_TEXT_BYTES = 512
+
+
+def _rank0_text(text: str, group: Any) -> str:
+    """Rank 0's text (UTF-8, up to _TEXT_BYTES bytes) on every rank."""
+    raw = text.encode()[:_TEXT_BYTES] if group.rank() == 0 else b""
+    codes = mx.array(list(raw.ljust(_TEXT_BYTES, b"\0")), dtype=mx.int32)
+    summed = mx.distributed.all_sum(codes, group=group).tolist()
+    return bytes(summed).rstrip(b"\0").decode(errors="replace")
 
 
 def _figures(t: Timings | None) -> tuple[float, float, float, float]:

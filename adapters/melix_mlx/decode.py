@@ -247,7 +247,8 @@ class MTPDecoder:
         window_kv.adopt(self.cache)  # sliding windows roll back exactly from here on
         prompt_tokens = prompt.tolist()
         logprobs = self._process(logits, prompt_tokens)
-        y = int((mx.argmax(logprobs, axis=-1) if self.sampler is None else self.sampler(logprobs)).item())
+        first = mx.argmax(logprobs, axis=-1) if self.sampler is None else self.sampler(logprobs)
+        y = int(self.engine.agreed(first).item())  # rank 0's draw under mx.distributed
         row = RowHead()
         disabled = getattr(self.controller, "disabled", False)  # never speculates: no head work
         if self.head is not None and self.refusal is None and not disabled:

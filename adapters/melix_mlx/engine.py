@@ -37,6 +37,11 @@ Rules of this module:
   what the rows do next. No token was emitted by a failed cycle. An exception from the
   caller's own sampler or logits processor is not a fault: the caches are restored and
   it propagates unchanged, as it would from mlx-lm.
+- Under mx.distributed (a model sharded by melix_mlx.distributed) every token-valued
+  result (drafts, accept counts, bonus and plain tokens) is rank 0's, agreed inside the
+  graph, so every rank feeds the same shapes and tokens to its next collective. A fault
+  there is not absorbed per rank (the ranks would part ways): it is raised as a typed
+  `RankFailed` (`PeerLost` when another rank went away) and ends the run on every rank.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from melix_fsm.errors import MelixError
 from . import absorbed_mla, capture, rollback
 from .acceptance import accept_sampled
 from .cycle_clock import CycleClock
+from .distributed import agreement, rank_error
 from .hidden import forward_with_hidden
 from .sampling import SamplingParams, normalize_logits, probabilities, sample_from
 
@@ -187,6 +193,16 @@ class CycleEngine:
         self.head_forwards = 0
         self._drafted = False
         self.clock: CycleClock | None = None  # set to a CycleClock to break cycles down (bench)
+        self.agreement = agreement(model)  # rank 0's tokens on every rank (None: one process)
+
+    def agreed(self, tokens: mx.array) -> mx.array:
+        """Rank 0's tokens under mx.distributed (lazy, inside the graph); else unchanged."""
+        return tokens if self.agreement is None else self.agreement.tokens(tokens)
+
+    def _fault(self, exc: BaseException, drafted: bool) -> Exception:
+        if self.agreement is not None:  # one rank must not fall back to plain decoding alone
+            return rank_error(exc, context="speculative cycle failed: ")
+        return SpeculativeFault(exc, drafted=drafted)
 
     # -- rows ----------------------------------------------------------------------
     def __len__(self) -> int:
@@ -232,7 +248,7 @@ class CycleEngine:
                 qs[i] = probabilities(normalize_logits(logits[i : i + 1]), p)
                 drawn = sample_from(qs[i]).astype(tokens.dtype)
                 tokens = mx.where(mx.arange(len(params)) == i, drawn, tokens)
-        return tokens, qs
+        return self.agreed(tokens), qs
 
     def catch_up(self, plans: list[RowPlan]) -> None:
         """Feed every stale row's pending pairs to the head in one ragged forward."""
@@ -283,7 +299,7 @@ class CycleEngine:
             if isinstance(exc, CallerError):
                 raise exc.cause from None  # the caller's bug: theirs to see, not a fault
             if isinstance(exc, ForwardFailed):
-                raise SpeculativeFault(exc.cause, drafted=self._drafted) from exc.cause
+                raise self._fault(exc.cause, self._drafted) from exc.cause
             raise  # this package's bug: never dressed up as a fault the rows survive
         if self.clock is not None:
             clock = self.clock
@@ -316,6 +332,8 @@ class CycleEngine:
             columns.append(tokens.astype(mx.uint32))
             qcols.append(qs)
         drafts = mx.stack(columns, axis=1)  # [B, K]
+        if self.agreement is not None and self.agreement.settle_inputs:
+            mx.eval(drafts)  # pipelined ranks: agreed inputs before the forward (distributed.Agreement)
         self._drafted = True
         inputs = mx.concatenate([self.y[:, None], drafts], axis=1)
         # 2. verify, recording recurrent states per position
@@ -332,6 +350,9 @@ class CycleEngine:
         logprobs = self._logprobs(plans, logits, inputs)
         # 3. acceptance on the device
         accepted, bonus = self._accept(plans, ks, K, drafts, qcols, logprobs)
+        if self.agreement is not None:  # one exchange for both
+            both = self.agreed(mx.stack([accepted.astype(mx.int32), bonus.astype(mx.int32)]))
+            accepted, bonus = both[0], both[1].astype(bonus.dtype)
         if armed:
             capture.select(armed, steps, accepted + 1)
         # 4. the head: drop the chained entries, catch up on the verified block, draft next
@@ -414,7 +435,7 @@ class CycleEngine:
             mx.eval(flight.accepted, flight.bonus, flight.inputs, flight.next_draft)
         except Exception as exc:
             self._undo(flight)
-            raise SpeculativeFault(exc, drafted=True) from exc
+            raise self._fault(exc, True) from exc
         t1 = time.perf_counter()
         accepted = flight.accepted.tolist()
         fed = flight.inputs.tolist()
@@ -465,7 +486,7 @@ class CycleEngine:
                     tokens = mx.where(rows == i, drawn, tokens)
         except CallerError as exc:
             raise exc.cause from None
-        tokens = tokens.astype(mx.uint32)
+        tokens = self.agreed(tokens.astype(mx.uint32))
         if self.head is not None:
             for i, row in enumerate(self.rows):
                 if row.draft is not None or row.pending_t:  # rows whose head is live
@@ -474,7 +495,9 @@ class CycleEngine:
             if max(len(r.pending_t) for r in self.rows) >= PENDING_FLUSH:
                 try:
                     self.catch_up(plans)
-                except ForwardFailed:  # a head that fails here fails the next cycle too: drop it
+                except ForwardFailed as exc:  # a head that fails here fails the next cycle too: drop it
+                    if self.agreement is not None:
+                        raise self._fault(exc.cause, False) from exc.cause
                     for row in self.rows:
                         self.forget(row)
         self.y = tokens

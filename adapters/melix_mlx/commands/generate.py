@@ -28,8 +28,9 @@ Rules of this module:
   JSON's `model_source` is "fallback_random_tiny".
 - Decoding: melix_mlx.commands.generate_decode (one prompt streamed, several batched).
 - Exit status (melix_fsm.cli): 0 ok; 2 usage error or unreadable input; 3 typed refusal
-  of an explicit method, or of a serving context nothing can run. mlx is imported inside
-  `run` only.
+  of an explicit method, or of a serving context nothing can run, or of `--sharding`
+  (`unsupported_sharding`); 4 under `--sharding`, a rank failed or the ranks disagreed
+  (melix_mlx.distributed). mlx is imported inside `run` only.
 """
 
 from __future__ import annotations
@@ -80,6 +81,10 @@ def register(subparsers: Any) -> None:
         "--mtp-sidecar", default=None, metavar="DIR",
         help="MTP head pack for a head-less target, admitted only by its validation contract "
         "(default: <model>/mtp or <model>-mtp when the model has no head)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--sharding", choices=["tensor", "pipeline"], default=None,
+        help="under mlx.launch: shard the model over the ranks with mlx-lm's own sharding",
     )  # fmt: skip
     parser.set_defaults(run=run)
 
@@ -141,9 +146,14 @@ def _model_dir(args: argparse.Namespace) -> tuple[Path, str]:
 
 
 
-def _load_plain(model_dir: Path) -> tuple[Any, Any]:
+def _load_plain(model_dir: Path, sharding: str | None = None) -> tuple[Any, Any]:
     """Any checkpoint mlx-lm can load: through the project loader (which drops head
     tensors mlx-lm's strict load would trip on), else mlx-lm's own for head-less families."""
+    if sharding is not None:  # under mlx.launch: this rank's shard (melix_mlx.distributed)
+        from melix_mlx.distributed import load_sharded
+
+        model, tokenizer, _, _ = load_sharded(model_dir, sharding, with_head=False)
+        return model, tokenizer
     from mlx_lm.utils import load_model, load_tokenizer
 
     from melix_mlx.errors import UnsupportedModel
@@ -178,6 +188,11 @@ def _checked(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.sharding is not None and not getattr(args, "_on_ranks", False):
+        from melix_mlx.distributed import run_ranks  # rank 0 prints; failures end every rank
+
+        args._on_ranks = True
+        return run_ranks(lambda: run(args), json_output=args.json, sharding=args.sharding)
     try:
         prompts, kv = _checked(args)
     except (OSError, UnicodeDecodeError, ValueError) as exc:
@@ -221,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
     if pack is not None:
         if not pack.is_dir():
             return _fail(f"--mtp-sidecar {pack}: not a directory")
+        if args.sharding is not None:
+            return _fail("--sharding does not load a sidecar head pack; convert it into the checkpoint")
         receipt, preloaded = _resolve_with_pack(model_dir, pack, config, context, machine)
     receipt_data = json.loads(receipt_json(receipt))
     explicit = config.method is not Method.none and config.sources.method is Source.explicit
@@ -239,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
     elif receipt.mode is Mode.legacy_only:
         refusal = f"{reason.value}: {receipt.message}"
 
+    from melix_mlx.distributed import ShardingRefused
     from melix_mlx.errors import HeadLoadError, UnsupportedServing
 
     head = None
@@ -249,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
             model, tokenizer, head = preloaded
         elif refusal is None:
             try:
-                model, tokenizer, head = _load_speculative(model_dir, config)
+                model, tokenizer, head = _load_speculative(model_dir, config, args.sharding)
             except (HeadLoadError, UnsupportedServing) as exc:
                 load_error = {"reason": str(exc.reason), "message": str(exc)}
                 if explicit:
@@ -262,7 +280,9 @@ def run(args: argparse.Namespace) -> int:
                 machine.send(Signal(event=Event.refuse, reason=refusal))
                 head = None
         if model is None or tokenizer is None:
-            model, tokenizer = _load_plain(model_dir)
+            model, tokenizer = _load_plain(model_dir, args.sharding)
+    except ShardingRefused as exc:  # the same on every rank: decided from config and group size
+        return _refused(receipt_data, exc.reason, str(exc))
     except Exception as exc:  # noqa: BLE001 - a checkpoint mlx-lm cannot load is a usage error
         return _fail(f"cannot load {model_dir}: {type(exc).__name__}: {exc}")
 
@@ -334,7 +354,7 @@ def _resolve_with_pack(model_dir: Path, pack: Path, config: Any, context: Any, m
     return info.receipt, (model, tokenizer, head)
 
 
-def _load_speculative(model_dir: Path, config: Any) -> tuple[Any, Any, Any]:
+def _load_speculative(model_dir: Path, config: Any, sharding: str | None = None) -> tuple[Any, Any, Any]:
     """(model, tokenizer, head): the MTP head, or a draft model in the head slot."""
     from melix_fsm.config import Method
     from melix_mlx.loading import load_with_heads
@@ -342,8 +362,13 @@ def _load_speculative(model_dir: Path, config: Any) -> tuple[Any, Any, Any]:
     if config.method is Method.draft_model:
         from melix_mlx.draft_model import load_draft
 
-        model, tokenizer = _load_plain(model_dir)
-        head, _ = load_draft(config.draft_model, tokenizer)
+        model, tokenizer = _load_plain(model_dir, sharding)
+        head, _ = load_draft(config.draft_model, tokenizer)  # replicated on every rank
         return model, tokenizer, head
-    model, tokenizer, head, _ = load_with_heads(model_dir)
+    if sharding is not None:
+        from melix_mlx.distributed import load_sharded
+
+        model, tokenizer, head, _ = load_sharded(model_dir, sharding)
+    else:
+        model, tokenizer, head, _ = load_with_heads(model_dir)
     return model, tokenizer, head

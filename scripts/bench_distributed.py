@@ -1,0 +1,113 @@
+"""1 rank vs N ranks, with and without MTP: decode tokens/s and collective latency.
+
+    python scripts/bench_distributed.py --model stdlib-tiny                      # 1 rank
+    mlx.launch --backend ring -n 2 -- python scripts/bench_distributed.py \\
+        --model stdlib-tiny --sharding pipeline                                  # 2 ranks
+
+Every rank loads the checkpoint (sharded with mlx-lm's own sharding under a group),
+then decodes the same prompts greedily: plainly (mlx-lm's `stream_generate`) and with
+MTP (`mtp_stream_generate`, device policy forced on, fixed depth). It also times a
+small all_sum (the latency of one collective) and counts collectives per forward by
+the model's structure. Rank 0 prints one JSON object. Timings are medians over repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import mlx.core as mx
+
+PROMPTS = ["def parse_args(argv):", "import os\nimport sys\n", "class Parser:"]
+
+
+def _collective_latency(group, repeats: int = 200) -> dict[str, float]:
+    """Median seconds of one all_sum of 4 bytes and of 16 KiB (a hidden state row)."""
+    out = {}
+    for name, n in (("all_sum_4B_s", 1), ("all_sum_16KiB_s", 4096)):
+        x = mx.ones((n,), dtype=mx.float32)
+        mx.eval(mx.distributed.all_sum(x, group=group))
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            mx.eval(mx.distributed.all_sum(x, group=group))
+            samples.append(time.perf_counter() - t0)
+        out[name] = statistics.median(samples)
+    return out
+
+
+def _tps(run, repeats: int) -> tuple[float, int]:
+    """Median generated tokens/s over repeats, and the tokens of one run."""
+    rates, count = [], 0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        count = run()
+        rates.append(count / (time.perf_counter() - t0))
+    return statistics.median(rates), count
+
+
+def main() -> None:
+    from melix_mlx.checkpoints import resolve_model
+    from melix_mlx.distributed import load_sharded
+    from melix_mlx.generate import mtp_stream_generate
+    from mlx_lm.generate import stream_generate
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="stdlib-tiny")
+    parser.add_argument("--sharding", choices=["tensor", "pipeline"], default="pipeline")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--num-draft-tokens", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    group = mx.distributed.init()
+    model, tokenizer, head, _ = load_sharded(resolve_model(args.model), args.sharding, group)
+
+    def plain() -> int:
+        return sum(
+            len(list(stream_generate(model, tokenizer, p, max_tokens=args.max_tokens))) for p in PROMPTS
+        )
+
+    accepted = [0, 0]
+
+    def mtp() -> int:
+        n = 0
+        for p in PROMPTS:
+            stats = None
+            for response in mtp_stream_generate(
+                model, tokenizer, p, head, max_tokens=args.max_tokens, num_draft_tokens=args.num_draft_tokens
+            ):
+                n += 1
+                stats = response.stats
+            accepted[0] += stats["accepted"]
+            accepted[1] += stats["proposed"]
+        return n
+
+    plain()  # warm up both paths once
+    mtp()
+    accepted[:] = [0, 0]
+    plain_tps, plain_tokens = _tps(plain, args.repeats)
+    mtp_tps, mtp_tokens = _tps(mtp, args.repeats)
+    result = {
+        "model": args.model,
+        "ranks": group.size(),
+        "sharding": args.sharding if group.size() > 1 else None,
+        "num_draft_tokens": args.num_draft_tokens,
+        "tokens_per_run": plain_tokens,
+        "plain_tps": round(plain_tps, 1),
+        "mtp_tps": round(mtp_tps, 1),
+        "mtp_speedup": round(mtp_tps / plain_tps, 3),
+        "acceptance_rate": round(accepted[0] / max(accepted[1], 1), 3),
+        "same_token_count": plain_tokens == mtp_tokens,
+    }
+    if group.size() > 1:
+        result.update({k: round(v * 1e6, 1) for k, v in _collective_latency(group).items()})
+        result = {k.replace("_s", "_us") if k.startswith("all_sum") else k: v for k, v in result.items()}
+    if group.rank() == 0:
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
