@@ -6,9 +6,9 @@
 
 Every rank loads the checkpoint (sharded with mlx-lm's own sharding under a group),
 then decodes the same prompts greedily: plainly (mlx-lm's `stream_generate`) and with
-MTP (`mtp_stream_generate`, device policy forced on, fixed depth). It also times a
-small all_sum (the latency of one collective) and counts collectives per forward by
-the model's structure. Rank 0 prints one JSON object. Timings are medians over repeats.
+MTP (`mtp_stream_generate`, fixed depth, no policy), alternating the two; under a group it
+also times one small all_sum (a collective's latency). Rank 0 prints one JSON object:
+medians over repeats, the ratio's min-max beside it.
 """
 
 from __future__ import annotations
@@ -38,14 +38,24 @@ def _collective_latency(group, repeats: int = 200) -> dict[str, float]:
     return out
 
 
-def _tps(run, repeats: int) -> tuple[float, int]:
-    """Median generated tokens/s over repeats, and the tokens of one run."""
-    rates, count = [], 0
+def _interleaved(plain, mtp, repeats: int) -> dict[str, float]:
+    """Plain and MTP runs alternated (drift on a shared machine hits both alike)."""
+    plain_rates, mtp_rates, ratios = [], [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        count = run()
-        rates.append(count / (time.perf_counter() - t0))
-    return statistics.median(rates), count
+        rates = []
+        for run in (plain, mtp):
+            t0 = time.perf_counter()
+            count = run()
+            rates.append(count / (time.perf_counter() - t0))
+        plain_rates.append(rates[0])
+        mtp_rates.append(rates[1])
+        ratios.append(rates[1] / rates[0])
+    return {
+        "plain_tps": round(statistics.median(plain_rates), 1),
+        "mtp_tps": round(statistics.median(mtp_rates), 1),
+        "mtp_speedup": round(statistics.median(ratios), 3),
+        "speedup_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
+    }
 
 
 def main() -> None:
@@ -88,19 +98,16 @@ def main() -> None:
     plain()  # warm up both paths once
     mtp()
     accepted[:] = [0, 0]
-    plain_tps, plain_tokens = _tps(plain, args.repeats)
-    mtp_tps, mtp_tokens = _tps(mtp, args.repeats)
+    timing = _interleaved(plain, mtp, args.repeats)
     result = {
         "model": args.model,
         "ranks": group.size(),
         "sharding": args.sharding if group.size() > 1 else None,
         "num_draft_tokens": args.num_draft_tokens,
-        "tokens_per_run": plain_tokens,
-        "plain_tps": round(plain_tps, 1),
-        "mtp_tps": round(mtp_tps, 1),
-        "mtp_speedup": round(mtp_tps / plain_tps, 3),
+        "max_tokens": args.max_tokens,
+        "prompts": len(PROMPTS),
+        **timing,
         "acceptance_rate": round(accepted[0] / max(accepted[1], 1), 3),
-        "same_token_count": plain_tokens == mtp_tokens,
     }
     if group.size() > 1:
         result.update({k: round(v * 1e6, 1) for k, v in _collective_latency(group).items()})

@@ -23,9 +23,12 @@ Rules of this module:
 - Failures end every rank: an exception on one rank is re-raised as a typed
   `DistributedError`; its process exits, the ring backend tells its peers that the
   connection was lost, and they raise `PeerLost`. `run_ranks` turns both into one JSON
-  line on stderr and exit status 4 (3 for `ShardingRefused`), so no rank hangs in a
-  collective. Note: `mlx.launch` itself exits 0 whatever its ranks return; it logs each
-  rank's non-zero status ("Node with rank N exited with code S").
+  line on stderr and exit status 4 (3 for `ShardingRefused`). A survivor blocked inside
+  a collective is not always woken by the ring backend; `mlx.launch` stops every rank with
+  SIGTERM once one exits, and no handler here catches it (a Python handler cannot run
+  while the main thread is blocked in mlx, and would keep the process alive): the
+  survivor then ends with status -15 instead of its typed line. `mlx.launch` itself exits
+  0 whatever its ranks return; it logs each non-zero status.
 """
 
 from __future__ import annotations
@@ -35,9 +38,8 @@ import enum
 import hashlib
 import io
 import json
-import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -288,24 +290,6 @@ def rank_error(exc: BaseException, rank: int | None = None, context: str = "") -
     return RankFailed(text, rank=rank)
 
 
-@contextlib.contextmanager
-def _terminated_as_peer_lost(rank: int) -> Iterator[None]:
-    """The launcher stops the other ranks when one exits: make that a typed error."""
-
-    def handler(signum: int, frame: Any) -> None:
-        raise PeerLost("stopped by the launcher: another rank ended", rank=rank)
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def run_ranks(body: Callable[[], int], *, json_output: bool, sharding: Sharding | str) -> int:
     """Run a command body on every rank: rank 0 prints, all ranks agree, failures are typed.
 
@@ -320,7 +304,7 @@ def run_ranks(body: Callable[[], int], *, json_output: bool, sharding: Sharding 
         return body()
     buffer = io.StringIO()
     try:
-        with _terminated_as_peer_lost(rank), contextlib.redirect_stdout(buffer):
+        with contextlib.redirect_stdout(buffer):
             status = body()
             Agreement(group).check(_comparable(buffer.getvalue(), json_output, status))
     except Exception as exc:  # every failure ends this rank, typed; its peers follow

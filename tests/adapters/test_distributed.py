@@ -10,7 +10,9 @@ that mlx-lm 0.32 can shard, tensor and pipeline:
   tokens and the same lifecycle counts;
 - `melix-fsm generate --sharding ... --prompts-file` (MTPBatchGenerator) prints JSON on
   rank 0 only, marked as agreed by every rank, with the single-process tokens;
-- a failure on one rank ends every rank with a typed error and a non-zero status;
+- a failure on one rank ends every rank with a non-zero status, the failing one with a
+  typed error (the survivor: typed `peer_lost`, or stopped by mlx.launch; see
+  melix_mlx.distributed);
 - what mlx-lm cannot shard is refused with `unsupported_sharding` before any weight is read.
 """
 
@@ -124,12 +126,16 @@ def test_failure_on_one_rank_ends_every_rank_typed(tmp_path: Path) -> None:
         if line.startswith("{") and '"error"' in line:
             data = json.loads(line)
             errors.setdefault(data["rank"], set()).add(data["error"])
-    assert "rank_failed" in errors.get(1, set()), done.stderr[-3000:]
-    assert errors.get(0, set()) & {"peer_lost"}, done.stderr[-3000:]
+    assert errors.get(1) == {"rank_failed"}, done.stderr[-3000:]
     # mlx.launch itself exits 0; it logs each rank's status
     statuses = dict(re.findall(r"Node with rank (\d) exited with code (-?\d+)", done.stderr))
     assert statuses.get("1") == "4", done.stderr[-3000:]
-    assert statuses.get("0") not in (None, "0"), done.stderr[-3000:]
+    # the survivor ends too (no hang: we are past the launch timeout's guard), non-zero:
+    # typed (peer_lost, status 4) when the ring backend wakes it first, else stopped by
+    # the launcher's SIGTERM (-15)
+    assert statuses.get("0") in ("4", "-15"), done.stderr[-3000:]
+    if statuses["0"] == "4":
+        assert errors.get(0) == {"peer_lost"}, done.stderr[-3000:]
 
 
 # -- refusals: decided from the config and the group size, before any weight is read --
