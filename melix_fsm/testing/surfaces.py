@@ -78,10 +78,11 @@ class BatchSurface:
     - `insert(prompts: list[list[int]], max_tokens=list[int], <stop_keyword>=list[obj],
       **options) -> list[uid]`: one uid per prompt, distinct, never reused. `obj` is
       `make_stops(stops)` for each request's stop sequences (token tuples).
-    - `next() -> (prompt_responses, generation_responses)`: only the second item is read;
-      each generation response has `.uid`, `.token` (int or 0-d array) and
-      `.finish_reason` (None until the request's last token). Several responses per uid
-      in one call are allowed (speculative decoding emits accepted drafts together).
+    - `next() -> (prompt_responses, generation_responses)`: only the second item is read
+      (a plain list of generation responses is accepted as well); each generation
+      response has `.uid`, `.token` (int or 0-d array) and `.finish_reason` (None until
+      the request's last token). Several responses per uid in one call are allowed
+      (speculative decoding emits accepted drafts together).
     - `remove(uids: list[uid])`: uids still queued or generating, never ended ones.
     - `last_report` (optional attribute): a melix_fsm.report.StepReport after each
       `next()`; `batch` (optional): a melix_fsm.batch.Batch mirror of its rows.
@@ -102,7 +103,10 @@ class BatchSurface:
         return list(self.gen.insert([list(s.prompt) for s in specs], **kwargs))
 
     def step(self) -> list[Emission]:
-        _, generation = self.gen.next()
+        result = self.gen.next()
+        # (prompt_responses, generation_responses), or older generators' plain list of responses
+        pair = isinstance(result, tuple) and len(result) == 2 and not hasattr(result, "uid")
+        generation = result[1] if pair else result
         return [Emission(r.uid, _token(r.token), r.finish_reason) for r in generation]
 
     def remove(self, uids: Sequence[Any]) -> None:

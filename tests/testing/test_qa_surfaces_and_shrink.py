@@ -20,7 +20,7 @@ from melix_fsm.testing import PROFILES, run_conformance
 from melix_fsm.testing.shrink import shrink_schedule
 from melix_fsm.testing.surfaces import SurfaceError, as_surface, surface_kind
 
-from .toy_generator import ToyGenerator, toy_next, toy_reference
+from .toy_generator import ToyGenerator, toy_next, toy_reference, toy_stops
 
 TOY = {"tokens": (3, 12), "prompt_lengths": (1, 4), "max_tokens": (1, 8)}
 QUICK = settings(PROFILES["quick"], max_examples=25)
@@ -130,3 +130,14 @@ def test_shrinker_drops_what_the_failure_does_not_need() -> None:
         {"op": "next"},
     ]
     assert len(calls) < 60
+
+
+class ListNextToy(ToyGenerator):
+    """Older generators' `next()`: a plain list of generation responses."""
+
+    def next(self) -> Any:  # type: ignore[override]
+        return super().next()[1]
+
+
+def test_a_plain_list_from_next_is_read_as_generation_responses() -> None:
+    run_conformance(ListNextToy, toy_reference, make_stops=toy_stops, settings=QUICK, **TOY)
