@@ -8,8 +8,9 @@ Rules of this file:
   caught: exit 1, its signature, a short schedule that `--replay` reproduces (exit 1);
   `--skip SIGNATURE` then passes (exit 0). A stream_generate-like factory passes.
 - Usage errors exit 2 with a one-line reason.
-- Budgets are tiny (3 examples per round, 300 draws); the shared-uniform bias on the
-  real cycle engine is in a slow test (many draws).
+- Budgets are tiny (3 examples per round, 300 draws). The shared-uniform bias planted in
+  the real cycle engine (stdlib-tiny, 1000 draws, minutes) is a slow test, with its
+  correct-engine counterpart.
 """
 
 from __future__ import annotations
@@ -152,24 +153,31 @@ def test_usage_errors_exit_2(
 
 
 @pytest.mark.slow
-def test_shared_uniform_on_the_real_engine_is_caught(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.parametrize("biased", [True, False])
+def test_shared_uniform_on_the_real_engine(monkeypatch: pytest.MonkeyPatch, biased: bool) -> None:
+    """MTPBatchGenerator on stdlib-tiny at T = 1, 1000 draws: caught with one shared uniform, else passes."""
+    import mlx.core as mx
     import qa_planted_target
+    from melix_mlx.qa.probabilities import target_probabilities
+    from melix_mlx.qa.targets import load_model, melix_generator
 
-    monkeypatch.setattr("melix_mlx.engine.accept_sampled", qa_planted_target.accept_with_one_uniform)
-    code, report, _ = qa(
-        capsys,
-        "melix",
-        "--model",
-        "stdlib-tiny",
-        "--json",
-        "--max-examples",
-        "1",
-        "--draws",
-        "6000",
-        "--seed",
-        "3",
+    from melix_fsm.testing import (
+        ConformanceError,
+        check_distribution,
+        draw_continuations,
+        mlx_greedy_reference,
     )
-    assert code == 1
-    assert [b["property"] for b in report["bugs"]] == ["sampled_distribution"]
+
+    if biased:
+        monkeypatch.setattr("melix_mlx.engine.accept_sampled", qa_planted_target.accept_with_one_uniform)
+    model, head = load_model("stdlib-tiny", needs_head=True)
+    prompt = [40, 90, *mlx_greedy_reference(model)((40, 90), 6)]
+    mx.random.seed(0)
+    samples = draw_continuations(melix_generator(model, head, 1.0), prompt, 1000, 4)
+    probs = target_probabilities(model, 1.0)
+    if biased:
+        with pytest.raises(ConformanceError) as info:
+            check_distribution(samples, probs, prompt)
+        assert info.value.prop == "sampled_distribution" and info.value.where == "position 2"
+    else:
+        check_distribution(samples, probs, prompt)
