@@ -110,8 +110,8 @@ def main() -> None:
         "acceptance_rate": round(accepted[0] / max(accepted[1], 1), 3),
     }
     if group.size() > 1:
-        result.update({k: round(v * 1e6, 1) for k, v in _collective_latency(group).items()})
-        result = {k.replace("_s", "_us") if k.startswith("all_sum") else k: v for k, v in result.items()}
+        latency = _collective_latency(group)
+        result.update({name.removesuffix("_s") + "_us": round(v * 1e6, 1) for name, v in latency.items()})
     if group.rank() == 0:
         print(json.dumps(result), flush=True)
 

@@ -10,6 +10,8 @@ mlx-lm's own `stream_generate` on the same sharded model, and writes OUT/rank{r}
 Then it runs `melix-fsm generate --sharding ... --prompts-file PROMPTS --json` (the
 batched generator) in-process, its stdout going to OUT/cli{r}.txt.
 
+`sampled`: the batched CLI at temperature 0.9 with a different random seed per rank.
+
 `fail`: the same decode through `run_ranks`, with a logits processor that raises on
 rank 1 only, at its third call; every rank must end with a typed error.
 """
@@ -81,6 +83,20 @@ def run(model_dir: str, sharding: str, out: Path, prompts: str) -> int:
     return 0
 
 
+def sampled(model_dir: str, sharding: str, out: Path, prompts: str) -> int:
+    """The batched CLI with sampling: every draw is rank 0's, so the ranks still agree."""
+    from melix_fsm.cli import main
+
+    rank = mx.distributed.init().rank()
+    mx.random.seed(1234 + rank)  # different streams per rank: agreement must not rely on seeds
+    argv = ["generate", "--model", model_dir, "--sharding", sharding, "--prompts-file", prompts, "--json"]
+    argv += ["--max-tokens", "16", "--num-draft-tokens", "2", "--device-policy", "force_on", "--temp", "0.9"]
+    with open(out / f"cli{rank}.txt", "w") as sink, contextlib.redirect_stdout(sink):
+        status = main(argv)
+    (out / f"cli{rank}.status").write_text(str(status))
+    return 0
+
+
 def fail(model_dir: str, sharding: str) -> int:
     from melix_mlx.distributed import run_ranks
 
@@ -104,4 +120,6 @@ if __name__ == "__main__":
     what, model_dir, sharding, out = sys.argv[1:5]
     if what == "run":
         sys.exit(run(model_dir, sharding, Path(out), sys.argv[5]))
+    if what == "sampled":
+        sys.exit(sampled(model_dir, sharding, Path(out), sys.argv[5]))
     sys.exit(fail(model_dir, sharding))

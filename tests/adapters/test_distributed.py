@@ -117,6 +117,23 @@ def test_two_ranks_match_single_process(name: str, sharding: str, tmp_path: Path
         assert line["method"] == "mtp"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name, sharding", [("stdlib-hybrid", "tensor"), ("stdlib-tiny", "pipeline")])
+def test_sampled_ranks_agree(name: str, sharding: str, tmp_path: Path, tiny_checkpoint) -> None:
+    """Each rank seeds its own random stream; the draws that count are rank 0's."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PROMPTS))
+    model_dir = _checkpoint(name, tiny_checkpoint)
+    done = _launch("sampled", str(model_dir), sharding, str(tmp_path), str(prompts), tmp_path=tmp_path)
+    assert "exited with code" not in done.stderr, done.stderr[-3000:]
+    assert [(tmp_path / f"cli{r}.status").read_text() for r in (0, 1)] == ["0", "0"]
+    lines = [json.loads(line) for line in (tmp_path / "cli0.txt").read_text().splitlines()]
+    assert len(lines) == len(PROMPTS)
+    for line in lines:
+        assert line["distributed"]["agreed"] is True  # digest of every rank's tokens and receipt
+        assert line["stats"]["proposed"] > 0
+
+
 def test_failure_on_one_rank_ends_every_rank_typed(tmp_path: Path) -> None:
     from melix_mlx.checkpoints import EMBEDDED
 
