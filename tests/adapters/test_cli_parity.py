@@ -32,6 +32,7 @@ SERVING = {"quantized_kv", "chunked_prefill", "batched"}
 KV = {"kv_bits", "kv_group_size", "quantized_kv_start"}  # mlx-lm's own names
 DECODE = KV | {"max_kv_size", "prefill_step_size", "max_tokens"}
 SAMPLING = {"temp", "top_p", "seed"}  # make_sampler / mx.random.seed, as mlx-lm's CLI
+DISTRIBUTED = {"sharding"}  # melix_mlx.distributed.load_sharded(model_dir, sharding, ...)
 CLI_ONLY = {"help", "model", "prompt", "prompts_file", "json", "stagger", "run"}
 LOADING = {"mtp_sidecar": "sidecar"}  # CLI dest -> load_with_heads keyword
 
@@ -62,9 +63,12 @@ def test_every_receipt_option_is_a_generate_option() -> None:
 def test_every_setting_has_an_api_keyword() -> None:
     dests = {a.dest for name in ("generate", "receipt") for a in _subparser(name)._actions}
     dests -= {"model_dir", "schema"}
-    unmapped = dests - SPECULATIVE - SERVING - DECODE - SAMPLING - CLI_ONLY - set(LOADING)
+    unmapped = dests - SPECULATIVE - SERVING - DECODE - SAMPLING - DISTRIBUTED - CLI_ONLY - set(LOADING)
     assert not unmapped, f"options with no API keyword in this test's map: {unmapped}"
     assert set(inspect.signature(load_with_heads).parameters) >= set(LOADING.values())
+    from melix_mlx.distributed import load_sharded
+
+    assert set(inspect.signature(load_sharded).parameters) >= DISTRIBUTED
     config_kw = set(inspect.signature(speculative_config).parameters)
     assert config_kw >= SPECULATIVE
     assert set(ServingContext.__struct_fields__) >= SERVING

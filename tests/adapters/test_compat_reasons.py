@@ -121,6 +121,24 @@ def _sliding(tmp: Path) -> Path:
     return _copy(_tiny(), tmp / "swa", use_sliding_window=True, sliding_window=64)
 
 
+class _TwoRanks:
+    """A 2-rank group stand-in: the refusal comes before any collective or weight."""
+
+    def size(self) -> int:
+        return 2
+
+    def rank(self) -> int:
+        return 0
+
+
+def _sharding(tmp: Path) -> RefusalReason | None:
+    from melix_mlx.distributed import ShardingRefused, load_sharded
+
+    with pytest.raises(ShardingRefused) as err:  # 3 attention heads over 2 ranks
+        load_sharded(_tiny(), "tensor", _TwoRanks())
+    return RefusalReason(err.value.reason)
+
+
 def _vocab(tmp: Path) -> RefusalReason | None:
     draft = make_llama(tmp / "draft")
     data = json.loads((draft / "tokenizer.json").read_text())
@@ -143,6 +161,7 @@ CASES: dict[RefusalReason, Callable[..., RefusalReason | None]] = {
     RefusalReason.vocab_mismatch: lambda tmp, mp: _vocab(tmp),
     RefusalReason.operator_disabled: lambda tmp, mp: _receipt(_tiny(), method="none"),
     RefusalReason.unreadable_checkpoint: lambda tmp, mp: _receipt(tmp / "does-not-exist"),
+    RefusalReason.unsupported_sharding: lambda tmp, mp: _sharding(tmp),
     RefusalReason.unsupported_sampler: lambda tmp, mp: _decoder_refusal(sampler=_own_sampler),
 }
 
