@@ -63,7 +63,7 @@ from . import head_receipt, ragged_kv, rollback
 from .batch_rows import InsertRequest, MTPResponse, RowState
 from .batch_surface import BatchSurface
 from .engine import CycleEngine, RowHead, RowPlan, Settled, SpeculativeFault
-from .prefill import prefill_with_hidden
+from .prefill import check_prompt, prefill_with_hidden
 from .sampling import normalize_logits, params_of
 from .token_history import TokenHistory
 
@@ -208,8 +208,7 @@ class MTPBatchGenerator(BatchSurface):
         requests = []
         for i, prompt in enumerate(prompts):
             uid = self._uid_count + i
-            if not prompt:
-                raise ValueError(f"sequence {uid} has an empty prompt")
+            check_prompt(self.model, list(prompt), f"sequence {uid}'s prompt")  # InvalidPrompt
             if options["max_tokens"][i] <= 0:
                 raise ValueError(f"sequence {uid}'s max_tokens must be > 0")
             if options["num_draft_tokens"][i] < 1:

@@ -47,7 +47,7 @@ from melix_fsm.reasons import RefusalReason, reason_of, refusal_text
 
 from . import head_receipt, rollback, window_kv
 from .engine import CycleEngine, Flight, RowHead, RowPlan, SpeculativeFault
-from .prefill import prefill_with_hidden
+from .prefill import check_prompt, prefill_with_hidden
 from .sampling import SamplingParams, normalize_logits, params_of
 from .token_history import TokenHistory
 
@@ -238,7 +238,11 @@ class MTPDecoder:
             self.engine.forget(row)
 
     def generate(self, prompt: mx.array, max_tokens: int = 256) -> Iterator[Emitted]:
-        """Yield up to `max_tokens` tokens as `(token, logprobs, from_draft)`."""
+        """Yield up to `max_tokens` tokens as `(token, logprobs, from_draft)`.
+
+        Raises InvalidPrompt (before any forward) for an empty prompt or unknown token ids.
+        """
+        check_prompt(self.model, prompt.tolist())
         self._resolve()
         self._reconcile()  # a start the gate disabled begins suspended
         logits, hiddens = prefill_with_hidden(

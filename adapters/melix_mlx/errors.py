@@ -73,3 +73,11 @@ class UnvalidatedSidecar(HeadLoadError):
         super().__init__(message, details={"failed_check": getattr(report, "failed_check", None)})
         self.report = report
         self.receipt = receipt
+
+
+class InvalidPrompt(MelixError, ValueError):
+    """A prompt the model cannot read: empty, or a token id outside its vocabulary.
+
+    Checked before any forward: an out-of-range id would make mlx read past the
+    embedding table (garbage output, or a crash) instead of failing.
+    """

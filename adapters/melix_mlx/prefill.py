@@ -17,7 +17,29 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .hidden import forward_with_hidden
+from .errors import InvalidPrompt
+from .hidden import forward_with_hidden, main_parts
+
+
+def vocabulary_size(model: nn.Module) -> int | None:
+    """Rows of the main model's embedding table (None where it cannot be read)."""
+    embed = main_parts(model).embed_tokens
+    size = getattr(embed, "num_embeddings", None)  # QuantizedEmbedding
+    if size is None and getattr(embed, "weight", None) is not None:
+        size = embed.weight.shape[0]
+    return int(size) if size is not None else None
+
+
+def check_prompt(model: nn.Module, tokens: list[int], what: str = "the prompt") -> None:
+    """Refuse an empty prompt or one with ids outside the vocabulary (InvalidPrompt)."""
+    if not tokens:
+        raise InvalidPrompt(f"{what} is empty")
+    vocab = vocabulary_size(model)
+    bad = [t for t in tokens if not 0 <= t < (vocab if vocab is not None else t + 1)]
+    if bad:
+        raise InvalidPrompt(
+            f"{what} has token ids outside the model's vocabulary of {vocab}: {sorted(set(bad))[:8]}"
+        )
 
 
 def prefill_with_hidden(

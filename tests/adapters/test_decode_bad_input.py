@@ -140,3 +140,23 @@ def test_late_refusal_is_the_specs_transition(loaded_heads) -> None:
     assert stats["state"] == State.refused and "unknown sampler" in stats["refusal"]
     # the first token comes from the prefill, the other 7 from plain steps
     assert stats["cycles"] == 0 and stats["plain_steps"] == 7 and stats["suspensions"] == 0
+
+
+@pytest.mark.parametrize("prompt", [[], [3, 10**6], [-1, 4]])
+def test_prompts_the_model_cannot_read_are_refused_before_any_forward(loaded_heads, prompt) -> None:
+    """Unknown token ids would read past the embedding table (garbage or a crash): both
+    decoders refuse them, typed, and the batch generator queues nothing."""
+    from melix_mlx.batch_generator import MTPBatchGenerator
+    from melix_mlx.decode import MTPDecoder
+    from melix_mlx.errors import InvalidPrompt
+
+    model, _, head, _ = loaded_heads["mimo"]
+    decoder = MTPDecoder(model, head)
+    with pytest.raises(InvalidPrompt):
+        next(decoder.generate(mx.array(prompt, dtype=mx.int32), 4))
+    assert decoder.cache[0].offset == 0  # nothing was fed
+    generator = MTPBatchGenerator(model, head)
+    with pytest.raises(InvalidPrompt):
+        generator.insert([[3, 4, 5], prompt], max_tokens=[4, 4])
+    assert generator.insert([[3, 4, 5]], max_tokens=[2]) == [0]  # the good one was not queued before
+    generator.close()
