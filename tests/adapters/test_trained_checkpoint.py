@@ -397,18 +397,7 @@ def held_out_acceptance(trained_heads, held_out_stream, script):
 REPORT_CHAIN = {"stdlib-tiny": "pre", "stdlib-hybrid": "post"}
 
 
-# stdlib-tiny meets the k=1 target but falls just short at k=2 (0.807 / 0.535 in its
-# training report). Strict: once a retrained checkpoint meets the targets this xfail turns
-# into a failure and the mark must go.
-_K2_SHORT = pytest.mark.xfail(
-    strict=True,
-    reason="issue 12 target k=2 >= 0.55 not met yet (k=1 is); retrain, then drop this mark",
-)
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param("stdlib-tiny", marks=_K2_SHORT), "stdlib-hybrid"]
-)
+@pytest.mark.parametrize("name", list(TRAINED))
 def test_held_out_acceptance_meets_the_targets(name: str, held_out_acceptance) -> None:
     rates = held_out_acceptance(name)
     assert rates[0] >= TARGET_K1 and rates[1] >= TARGET_K2, rates
