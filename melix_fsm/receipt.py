@@ -1,4 +1,6 @@
 """The capability receipt: one versioned record per speculative start, before any weight loads.
+(Over 400 lines: the receipt type and its one producer, `resolve`, read together; the
+family, rollback and sidecar rules it applies live in registry.py and sidecar.py.)
 
 Rules of this module:
 - `resolve(model_dir, config)` is the only producer of a `Receipt`. It reads config.json,

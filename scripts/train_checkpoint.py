@@ -1,4 +1,6 @@
 """Train ``stdlib-tiny`` (DeepSeek-V3) or ``stdlib-hybrid`` (Qwen3.5): a trained native MTP head.
+(A script, not library code: over 400 lines because data, both families' models, the head
+objectives, evaluation and the report are one reproducible recipe. Splitting it is open work.)
 
 The project's embedded default model (README main command, benchmarks), and with
 ``--no-head`` its draft model ``stdlib-tiny-draft`` for mlx-lm's own speculative decoding.

@@ -1,4 +1,8 @@
 """Batched MTP: a drop-in for mlx-lm's `BatchGenerator` where every row drafts and verifies.
+(Over 400 lines: admission, the step and emission share the Batch and the engine; the
+server-facing surface, row records and the cycle itself live in batch_surface.py,
+batch_rows.py and engine.py. Moving prefill out, as mlx-lm splits prompt processing
+from generation, is open work.)
 
 Rules of this module:
 - Same surface as `mlx_lm.generate.BatchGenerator` (0.32): `insert`, `insert_segments`,

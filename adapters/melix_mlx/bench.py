@@ -1,4 +1,6 @@
 """The benchmark harness: MTP against mlx-lm's own decode paths, side by side in one run.
+(Over 400 lines: the interleaving of every cell's runs is one loop; the report and the
+workloads already live in bench_report.py and workloads.py. Splitting it is open work.)
 
 Rules of this module:
 - Every figure is a ratio of two measurements taken in the same process, interleaved
