@@ -96,22 +96,30 @@ class CapturingGatedDeltaNet(qwen3_5.GatedDeltaNet):
         z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
         b = self.in_proj_b(inputs)
         a = self.in_proj_a(inputs)
-        conv_state = cache[0]
-        if conv_state is None:
-            conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=inputs.dtype)
-        if mask is not None:
-            qkv = mx.where(mask[..., None], qkv, 0)
-        conv_input = mx.concatenate([conv_state, qkv], axis=1)
-        q, k, v = _conv_qkv(self, conv_input, B, S)
-        outs, state = _recur(self, q, k, v, a, b, cache[1], mask, conv_input, steps)
-        cache[0] = mx.contiguous(conv_input[:, -(self.conv_kernel_size - 1) :, :])
-        cache[1] = state
-        cache.advance(S)
-        out = self.norm(mx.concatenate(outs, axis=1), z)
-        out = self.out_proj(out.reshape(B, S, -1))
+        out = self.out_proj(_captured_block(self, qkv, z, a, b, mask, cache, steps))
         if self.sharding_group is not None:
             out = mx.distributed.all_sum(out, group=self.sharding_group)
         return out
+
+
+def _captured_block(
+    layer: Any, qkv: mx.array, z: mx.array, a: mx.array, b: mx.array, mask: Any, cache: Any, steps: Any
+) -> mx.array:
+    """The armed gated-delta block both capturing layers share: conv window, per-position
+    recurrence (states recorded), cache update, gated norm. Returns [B, S, value dims]."""
+    B, S, _ = qkv.shape
+    conv_state = cache[0]
+    if conv_state is None:
+        conv_state = mx.zeros((B, layer.conv_kernel_size - 1, layer.conv_dim), dtype=qkv.dtype)
+    if mask is not None:
+        qkv = mx.where(mask[..., None], qkv, 0)
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    q, k, v = _conv_qkv(layer, conv_input, B, S)
+    outs, state = _recur(layer, q, k, v, a, b, cache[1], mask, conv_input, steps)
+    cache[0] = mx.contiguous(conv_input[:, -(layer.conv_kernel_size - 1) :, :])
+    cache[1] = state
+    cache.advance(S)
+    return layer.norm(mx.concatenate(outs, axis=1), z).reshape(B, S, -1)
 
 
 class CapturingQwen3NextGatedDeltaNet(qwen3_next.Qwen3NextGatedDeltaNet):
@@ -125,20 +133,8 @@ class CapturingQwen3NextGatedDeltaNet(qwen3_next.Qwen3NextGatedDeltaNet):
         q, k, v, z, b, a = self.fix_query_key_value_ordering(
             self.in_proj_qkvz(inputs), self.in_proj_ba(inputs)
         )
-        conv_state = cache[0]
-        if conv_state is None:
-            conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=inputs.dtype)
         mixed_qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
-        if mask is not None:
-            mixed_qkv = mx.where(mask[..., None], mixed_qkv, 0)
-        conv_input = mx.concatenate([conv_state, mixed_qkv], axis=1)
-        q, k, v = _conv_qkv(self, conv_input, B, S)
-        outs, state = _recur(self, q, k, v, a, b, cache[1], mask, conv_input, steps)
-        cache[0] = mx.contiguous(conv_input[:, -(self.conv_kernel_size - 1) :, :])
-        cache[1] = state
-        cache.advance(S)
-        out = self.norm(mx.concatenate(outs, axis=1), z)
-        return self.out_proj(out.reshape(B, S, -1))
+        return self.out_proj(_captured_block(self, mixed_qkv, z, a, b, mask, cache, steps))
 
 
 # mlx-lm layer class -> its capturing subclass. A cache whose recurrent layers are not
