@@ -19,10 +19,9 @@ import pytest
 from compat_models import make_llama, make_sidecar
 from melix_mlx.checkpoints import resolve_model
 
-from melix_fsm import receipt as receipt_module
 from melix_fsm.config import speculative_config
 from melix_fsm.reasons import RefusalReason, reason_of
-from melix_fsm.receipt import ServingContext, resolve
+from melix_fsm.receipt import ServingContext, resolution, resolve  # resolve reads `registry` there
 from melix_fsm.registry import load_registry
 from melix_fsm.spec import spec_dir
 
@@ -76,7 +75,7 @@ def _registry_with(tmp: Path, monkeypatch, family: str, old: str, new: str) -> N
     at = families.index(old, families.index(f"[families.{family}]"))
     edited = tmp / "families.toml"
     edited.write_text(families[:at] + new + families[at + len(old) :])
-    monkeypatch.setattr(receipt_module, "registry", lambda: load_registry(families_path=edited))
+    monkeypatch.setattr(resolution, "registry", lambda: load_registry(families_path=edited))
 
 
 def _depth_exceeds_heads(tmp: Path, monkeypatch) -> RefusalReason | None:

@@ -18,8 +18,8 @@ from melix_mlx.batch_generator import MTPBatchGenerator
 from melix_mlx.generate import mtp_stream_generate
 from melix_mlx.loading import load_with_heads
 
-import melix_fsm.receipt as receipt_mod
 from melix_fsm.reasons import RefusalReason
+from melix_fsm.receipt import resolution, resolve  # resolve reads the registry in resolution
 from melix_fsm.registry import registry
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
@@ -72,7 +72,7 @@ def test_a_refusing_receipt_stops_speculation_with_its_reason(tiny_checkpoint, m
     reg = registry()
     borrowed = msgspec.structs.replace(reg.families["glm4_moe"], layout_of="deepseek_v3")
     patched = msgspec.structs.replace(reg, families={**reg.families, "glm4_moe": borrowed})
-    monkeypatch.setattr(receipt_mod, "registry", lambda: patched)
+    monkeypatch.setattr(resolution, "registry", lambda: patched)
     model, tokenizer, head, info = load_with_heads(tiny_checkpoint("glm4_moe"))
     assert info.receipt.refusal_reason is RefusalReason.unvalidated_family
     assert info.refusal is not None and info.refusal.startswith("unvalidated_family: ")
@@ -89,7 +89,7 @@ def test_families_without_a_head_module_are_refused_typed(tiny_dirs, tmp_path, f
     path = shutil.copytree(tiny_dirs["deepseek_v3"], tmp_path / family)
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "model_type": family}))
-    receipt = receipt_mod.resolve(path)
+    receipt = resolve(path)
     assert receipt.mode == "refused" and receipt.refusal_reason is RefusalReason.unsupported_model
     with pytest.raises(UnsupportedModel, match=family):
         load_with_heads(path)

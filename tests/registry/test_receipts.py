@@ -55,14 +55,14 @@ def test_family_facts_come_from_the_registry(fakes: Fakes) -> None:
 
 def test_borrowed_layouts_are_refused_until_validated(fakes: Fakes, monkeypatch) -> None:
     """No shipped family borrows a layout now; the rule still holds for one that does."""
-    import melix_fsm.receipt as receipt_mod
+    from melix_fsm.receipt import resolution  # resolve reads the registry there
 
     reg = registry()
     borrowed = msgspec.structs.replace(
         reg.families["glm4_moe"], layout_of="deepseek_v3", head_module="deepseek_v3"
     )
     patched = msgspec.structs.replace(reg, families={**reg.families, "glm4_moe": borrowed})
-    monkeypatch.setattr(receipt_mod, "registry", lambda: patched)
+    monkeypatch.setattr(resolution, "registry", lambda: patched)
     r = resolve(fakes.make("glm4_moe"))
     assert r.mode is Mode.refused and r.refusal_reason is RefusalReason.unvalidated_family
     assert r.weights_present  # the detection itself still ran and reports the facts
