@@ -1,7 +1,7 @@
-"""CLI/API parity: walk the `receipt` and `generate` parsers and the API signatures.
+"""CLI/API parity: walk the `receipt`, `generate` and `serve` parsers and the API signatures.
 
-- Every `melix-fsm receipt` option is accepted by `generate` with the same destination,
-  choices, type and action (the receipt's positional MODEL_DIR is generate's --model;
+- Every `melix-fsm receipt` option is accepted by `generate` and by `serve` with the same
+  destination, choices, type and action (the receipt's positional MODEL_DIR is generate's --model;
   `--schema` prints the schema and is no start setting).
 - Every setting maps onto an API keyword: speculative settings onto
   `speculative_config`, serving facts onto `ServingContext`, decode options onto
@@ -122,8 +122,14 @@ def test_profile_is_accepted_by_both(tiny_checkpoint, tmp_path, capsys) -> None:
     assert generated["method"] == "none"
 
 
-@pytest.mark.xfail(strict=True, reason="serve (issue 13) does not take the speculative/serving options yet")
 def test_every_receipt_option_is_a_serve_option() -> None:
     receipt, serve = _options(_subparser("receipt")), _options(_subparser("serve"))
     missing = sorted(set(receipt) - set(serve) - RECEIPT_ONLY - {"-h", "--help"})
     assert not missing, f"serve lacks receipt options {missing}"
+    for flag, action in receipt.items():
+        if flag in RECEIPT_ONLY or flag in ("-h", "--help"):
+            continue
+        twin = serve[flag]
+        assert (twin.dest, twin.choices, twin.type, type(twin), twin.default) == (
+            action.dest, action.choices, action.type, type(action), action.default
+        ), flag

@@ -297,17 +297,23 @@ def test_serve_command_runs_until_interrupted(tmp_path: Any) -> None:
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "adapters")])}
     command = [sys.executable, "-m", "melix_fsm.cli", "serve", "--port", "0", "--device-policy", "force_on"]
+    command += ["--num-draft-tokens", "2"]
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        line = ""
+        line, printed = "", None
         while "http://" not in line:
             line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            if line.startswith("melix-fsm serve: receipt: "):  # every start prints its receipt
+                printed = json.loads(line.removeprefix("melix-fsm serve: receipt: "))
         url = line.split(" on ")[1].split()[0]
         with urllib.request.urlopen(url + "/health", timeout=TIMEOUT_S) as response:
             assert json.loads(response.read()) == {"status": "ok"}
+        with urllib.request.urlopen(url + "/v1/melix/receipt", timeout=TIMEOUT_S) as response:
+            assert printed is not None and printed == json.loads(response.read())["receipt"]
+        assert printed["num_draft_tokens"] == 2 and printed["batched"] is True
         assert complete(url, "The king of", max_tokens=4).usage.completion_tokens == 4
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=TIMEOUT_S) == 0

@@ -145,27 +145,6 @@ def _model_dir(args: argparse.Namespace) -> tuple[Path, str]:
     return target, "fallback_random_tiny"
 
 
-
-def _load_plain(model_dir: Path, sharding: str | None = None) -> tuple[Any, Any]:
-    """Any checkpoint mlx-lm can load: through the project loader (which drops head
-    tensors mlx-lm's strict load would trip on), else mlx-lm's own for head-less families."""
-    if sharding is not None:  # under mlx.launch: this rank's shard (melix_mlx.distributed)
-        from melix_mlx.distributed import load_sharded
-
-        model, tokenizer, _, _ = load_sharded(model_dir, sharding, with_head=False)
-        return model, tokenizer
-    from mlx_lm.utils import load_model, load_tokenizer
-
-    from melix_mlx.errors import UnsupportedModel
-    from melix_mlx.loading import load_main
-
-    try:
-        model, config = load_main(model_dir)
-    except UnsupportedModel:  # no MTP family: nothing to strip
-        model, config = load_model(model_dir)
-    return model, load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id", None))
-
-
 def _refused(receipt_data: dict, reason: str, message: str, status: int = EXIT_REFUSED) -> int:
     print(json.dumps({"error": reason, "message": message, "receipt": receipt_data}))
     return _fail(f"{reason}: {message}", status)
@@ -258,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
 
     from melix_mlx.distributed import ShardingRefused
     from melix_mlx.errors import HeadLoadError, UnsupportedServing
+    from melix_mlx.method_load import load_for_method, load_plain
 
     head = None
     load_error: dict[str, str] | None = None
@@ -267,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
             model, tokenizer, head = preloaded
         elif refusal is None:
             try:
-                model, tokenizer, head = _load_speculative(model_dir, config, args.sharding)
+                model, tokenizer, head = load_for_method(model_dir, config, args.sharding)
             except (HeadLoadError, UnsupportedServing) as exc:
                 load_error = {"reason": str(exc.reason), "message": str(exc)}
                 if explicit:
@@ -280,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
                 machine.send(Signal(event=Event.refuse, reason=refusal))
                 head = None
         if model is None or tokenizer is None:
-            model, tokenizer = _load_plain(model_dir, args.sharding)
+            model, tokenizer = load_plain(model_dir, args.sharding)
     except ShardingRefused as exc:  # the same on every rank: decided from config and group size
         return _refused(receipt_data, exc.reason, str(exc))
     except Exception as exc:  # noqa: BLE001 - a checkpoint mlx-lm cannot load is a usage error
@@ -352,23 +332,3 @@ def _resolve_with_pack(model_dir: Path, pack: Path, config: Any, context: Any, m
     except UnvalidatedSidecar as exc:
         return exc.receipt, None
     return info.receipt, (model, tokenizer, head)
-
-
-def _load_speculative(model_dir: Path, config: Any, sharding: str | None = None) -> tuple[Any, Any, Any]:
-    """(model, tokenizer, head): the MTP head, or a draft model in the head slot."""
-    from melix_fsm.config import Method
-    from melix_mlx.loading import load_with_heads
-
-    if config.method is Method.draft_model:
-        from melix_mlx.draft_model import load_draft
-
-        model, tokenizer = _load_plain(model_dir, sharding)
-        head, _ = load_draft(config.draft_model, tokenizer)  # replicated on every rank
-        return model, tokenizer, head
-    if sharding is not None:
-        from melix_mlx.distributed import load_sharded
-
-        model, tokenizer, head, _ = load_sharded(model_dir, sharding)
-    else:
-        model, tokenizer, head, _ = load_with_heads(model_dir)
-    return model, tokenizer, head

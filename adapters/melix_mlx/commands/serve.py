@@ -4,11 +4,20 @@ Rules of this module:
 - Endpoints are mlx-lm's server's (/v1/completions, /v1/chat/completions, streaming or
   not, /v1/models, /health) plus GET /v1/melix/receipt and GET /metrics
   (melix_mlx.serve). Concurrent requests are continuously batched with MTP on.
+- Options: every `melix-fsm receipt` option, from the same definitions
+  (melix_fsm.commands.options), with the same meaning, acting on the served decoder:
+  `--method` (mtp, draft_model with `--draft-model`, none), `--num-draft-tokens`,
+  `--device-policy`, `--profile`, the quantized-KV flags, `--chunked-prefill`;
+  `--batched` changes nothing (a server always batches).
 - The model is `--model DIR` or an embedded alias, default stdlib-tiny. The receipt is
-  resolved before the weights are read; a refusal serves plainly and says so in the
-  receipt endpoint and in every response's usage.
+  resolved for a batched start before the weights are read and printed on stderr at
+  start (`melix-fsm serve: receipt: {...}`), the same one GET /v1/melix/receipt returns.
+  A refusal when the method was not given serves plainly and says so in the receipt
+  and in every response's usage; a refused explicit method, or settings no batch can
+  run (a quantized KV cache), exit 3 with the typed reason before anything is loaded.
 - Exit status (melix_fsm.cli): 0 after Ctrl-C or SIGTERM, 2 usage error or unreadable
-  checkpoint. mlx is imported inside `run` only.
+  checkpoint, 3 typed refusal (the receipt as JSON on stdout, the reason on stderr).
+  mlx is imported inside `run` only.
 - Shutdown: the HTTP server and the generation thread are stopped and joined, the
   standard streams flushed, then the process ends with `os._exit`: mlx's runtime can
   abort during interpreter teardown once a server thread has used it (mlx-lm's own
@@ -21,18 +30,19 @@ import argparse
 import sys
 from typing import Any
 
-EXIT_OK, EXIT_USAGE = 0, 2
+EXIT_OK, EXIT_USAGE, EXIT_REFUSED = 0, 2, 3
 PROG = "melix-fsm serve"
 
 
 def register(subparsers: Any) -> None:
-    from melix_fsm.config import int_or_auto  # cheap: no mlx
+    from melix_fsm.commands.options import add_serving_options, add_speculative_options  # no mlx
 
     parser = subparsers.add_parser(
         "serve",
         help="serve an OpenAI-compatible API with batched MTP decoding",
         description="An OpenAI-compatible HTTP server (mlx-lm's) whose batches decode with the "
-        "checkpoint's MTP head. Exit 0 after Ctrl-C, 2 usage error or unreadable checkpoint.",
+        "checkpoint's MTP head (or a draft model). Exit 0 after Ctrl-C, 2 usage error or unreadable "
+        "checkpoint, 3 typed refusal.",
     )
     parser.add_argument(
         "--model", default=None, metavar="DIR",
@@ -40,8 +50,8 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
-    parser.add_argument("--num-draft-tokens", type=int_or_auto, default=None, metavar="K|auto")
-    parser.add_argument("--device-policy", choices=["auto", "force_on", "force_off"], default=None)
+    add_speculative_options(parser)
+    add_serving_options(parser)
     parser.add_argument("--max-batch-size", type=int, default=32, metavar="N", help="rows decoded together")
     parser.add_argument(
         "--max-tokens-limit", type=int, default=1 << 16, metavar="N", help="the largest max_tokens accepted"
@@ -50,9 +60,27 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(run=run)
 
 
-def _fail(message: str) -> int:
+def _fail(message: str, status: int = EXIT_USAGE) -> int:
     print(f"{PROG}: error: {message}", file=sys.stderr)
-    return EXIT_USAGE
+    return status
+
+
+def load_from_args(args: argparse.Namespace) -> Any:
+    """The `ServedModel` these parsed options describe (raises ValueError on a bad KV flag,
+    melix_mlx.serve.provider.ServeRefused / ServeError when the server cannot start)."""
+    from melix_fsm.commands.options import kv_arguments
+    from melix_mlx.serve.provider import load_served_model
+
+    return load_served_model(
+        args.model,
+        args.num_draft_tokens,
+        args.device_policy,
+        method=args.method,
+        draft_model=args.draft_model,
+        profile=args.profile,
+        kv=kv_arguments(args),
+        chunked_prefill=args.chunked_prefill,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,16 +90,21 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--max-tokens-limit must be >= 1")
     if not 0 <= args.port < 65536:
         return _fail("--port must be within [0, 65535]")
+    import json
     import logging
 
     from melix_mlx.serve.app import start_server
-    from melix_mlx.serve.provider import ServeError, load_served_model
+    from melix_mlx.serve.provider import ServeError, ServeRefused
 
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(message)s")
     try:
-        served = load_served_model(args.model, args.num_draft_tokens, args.device_policy)
-    except ServeError as exc:
+        served = load_from_args(args)
+    except ServeRefused as exc:
+        print(json.dumps({"error": exc.reason.value, "message": exc.message, "receipt": exc.receipt}))
+        return _fail(str(exc), EXIT_REFUSED)
+    except (ServeError, ValueError) as exc:
         return _fail(str(exc))
+    print(f"{PROG}: receipt: {json.dumps(served.receipt, separators=(',', ':'))}", file=sys.stderr)
     names = (args.model,) if args.model else ("stdlib-tiny",)
     try:
         server = start_server(
@@ -88,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     note = f" (refused: {served.refusal})" if served.refusal else ""
     print(
         f"{PROG}: {served.path} on {server.url} method={served.method}{note} "
-        f"k={served.num_draft_tokens} max_batch_size={args.max_batch_size}",
+        f"k={served.num_draft_tokens if served.method != 'none' else 0} max_batch_size={args.max_batch_size}",
         file=sys.stderr,
         flush=True,
     )

@@ -85,7 +85,7 @@ class MelixAPIHandler(APIHandler):
             "model": str(served.path),
             "method": served.method,
             "settings": served.settings,
-            "num_draft_tokens": served.num_draft_tokens,
+            "num_draft_tokens": served.num_draft_tokens if served.method != "none" else 0,
             "refusal": served.refusal,
             "head_load_error": served.head_load_error,
             "receipt": served.receipt,

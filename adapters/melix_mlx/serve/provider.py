@@ -1,13 +1,19 @@
-"""What the server serves: one checkpoint, its MTP head, its receipt and its live policy.
+"""What the server serves: one checkpoint, its head slot, its receipt and its live policy.
 
 Rules of this module:
-- `load_served_model` runs once, before the server listens: the receipt is resolved
-  before any weight is read, then the model (with its head when the receipt admits
-  one), then the device policy's evaluation (melix_mlx.activation) at batch size 1,
-  which gives the live controller every batch generator of this server shares.
-- Best effort, never silent: a refused receipt or a head that fails to load serves the
-  model plainly; the refusal is in the receipt endpoint and in every response's usage.
-  An unreadable checkpoint raises `ServeError`.
+- `load_served_model` takes the settings `melix-fsm receipt` takes (method, depth, draft
+  model, device policy, profile, quantized KV, chunked prefill) and runs once, before the
+  server listens: the receipt is resolved for a batched start before any weight is read,
+  then the model (with its MTP head or draft model when the receipt admits one), then the
+  device policy's evaluation (melix_mlx.activation) at batch size 1, which gives the live
+  controller every batch generator of this server shares.
+- Refused at start, typed (`ServeRefused`): settings no batch can run (a quantized KV
+  cache: mlx-lm has no batch cache for it), and an explicitly requested method that the
+  receipt or the head loader refuses (fail closed, as `generate`).
+- Otherwise best effort, never silent: a refused receipt or a head that fails to load
+  (method not given) serves the model plainly; `method = none` serves plainly by choice.
+  The refusal is in the receipt endpoint and in every response's usage. An unreadable
+  checkpoint or a bad setting raises `ServeError`.
 - `MTPModelProvider` is mlx-lm's `ModelProvider` holding that one model: requests for
   another model, an adapter or a draft model are refused with a ValueError (mlx-lm's
   server answers it as an error to that request); nothing is downloaded.
@@ -24,10 +30,25 @@ from typing import Any
 from mlx_lm.server import ModelProvider
 
 from melix_fsm.errors import MelixError
+from melix_fsm.reasons import RefusalReason
 
 
 class ServeError(MelixError):
-    """The server cannot start (unreadable checkpoint, bad settings)."""
+    """The server cannot start (unreadable checkpoint, bad settings): a usage error."""
+
+
+class ServeRefused(ServeError):
+    """The server refuses these settings with a typed reason, before it listens.
+
+    Raised for a serving context nothing here can run batched (a quantized KV cache) and
+    for an explicitly requested method that is refused; `receipt` is the receipt as JSON data.
+    """
+
+    def __init__(self, reason: RefusalReason, message: str, receipt: dict[str, Any]) -> None:
+        super().__init__(f"{reason.value}: {message}")
+        self.reason = reason
+        self.message = message
+        self.receipt = receipt
 
 
 @dataclass
@@ -35,68 +56,106 @@ class ServedModel:
     path: Path
     model: Any
     tokenizer: Any
-    head: Any  # None when speculation is refused
+    head: Any  # an MTP head or a draft model; None when speculation is off or refused
     controller: Any  # the live policy (melix_fsm.live_policy), None without a head
     num_draft_tokens: int  # the deepest depth a row drafts
     refusal: str | None
     receipt: dict[str, Any]
     settings: dict[str, Any] = field(default_factory=dict)
     head_load_error: dict[str, str] | None = None
+    requested_method: str = "mtp"  # the resolved method setting (speculative_config)
 
     @property
     def method(self) -> str:
-        return "mtp" if self.head is not None and self.refusal is None else "none"
+        """The method rows decode with: the requested one when a head slot is filled, else none."""
+        return self.requested_method if self.head is not None and self.refusal is None else "none"
 
 
 def load_served_model(
-    model: str | None, num_draft_tokens: int | str | None, device_policy: str | None
+    model: str | None,
+    num_draft_tokens: int | str | None = None,
+    device_policy: str | None = None,
+    *,
+    method: str | None = None,
+    draft_model: str | None = None,
+    profile: str | None = None,
+    kv: dict[str, int] | None = None,
+    chunked_prefill: bool = False,
 ) -> ServedModel:
-    from mlx_lm.utils import load_tokenizer
+    """The served model for these settings (the `melix-fsm receipt` options; see the rules).
 
-    from melix_fsm.config import speculative_config
+    `kv` holds mlx-lm's quantized-KV keyword arguments (melix_fsm.commands.options.kv_arguments).
+    Raises ServeRefused (typed) or ServeError (usage) before the server listens.
+    """
+    from melix_fsm.config import Method, Source, speculative_config
     from melix_fsm.errors import ConfigError
     from melix_fsm.lifecycle import SequenceMachine
-    from melix_fsm.reasons import RefusalReason
-    from melix_fsm.receipt import Mode, receipt_json, resolve
+    from melix_fsm.receipt import Mode, ServingContext, receipt_json, resolve, serving_refusal
     from melix_mlx.activation import evaluate
     from melix_mlx.checkpoints import DEFAULT, resolve_model
-    from melix_mlx.errors import HeadLoadError
-    from melix_mlx.loading import load_main, load_with_heads
+    from melix_mlx.errors import HeadLoadError, UnsupportedServing, batched_quantized_kv
+    from melix_mlx.method_load import load_for_method, load_plain
 
     try:
-        config = speculative_config(num_draft_tokens=num_draft_tokens, device_policy=device_policy)
+        draft_dir = str(resolve_model(draft_model)) if draft_model else None
+        config = speculative_config(
+            profile=profile,
+            method=method,
+            num_draft_tokens=num_draft_tokens,
+            draft_model=draft_dir,
+            device_policy=device_policy,
+        )
     except ConfigError as exc:
         raise ServeError(str(exc)) from exc
     path = resolve_model(model or DEFAULT)
     if not (path / "config.json").is_file():
         raise ServeError(f"{path}: not a checkpoint directory (no config.json)")
-    receipt = resolve(path, config, machine=SequenceMachine(0))  # before any tensor is read
+    # every served row shares batch caches: the receipt is resolved for a batched start,
+    # before any tensor is read
+    context = ServingContext(quantized_kv=bool(kv), chunked_prefill=chunked_prefill, batched=True)
+    receipt = resolve(path, config, context=context, machine=SequenceMachine(0))
+    receipt_data = json.loads(receipt_json(receipt))
     if receipt.refusal_reason is RefusalReason.unreadable_checkpoint:
         raise ServeError(f"{path}: {receipt.message}")
+    unservable = serving_refusal(path, context)
+    if unservable is None and kv:  # no batch cache quantizes, whatever the family
+        blocked = batched_quantized_kv()
+        unservable = (blocked.reason, blocked.message)
+    if unservable is not None:  # not even plain decoding can serve this context
+        raise ServeRefused(unservable[0], unservable[1], receipt_data)
+    explicit = config.method is not Method.none and config.sources.method is Source.explicit
+    if receipt.mode is Mode.refused and explicit:  # fail closed, as `generate` does
+        raise ServeRefused(receipt.refusal_reason, receipt.message, receipt_data)
     refusal = None if receipt.mode is Mode.accepted else f"{receipt.refusal_reason.value}: {receipt.message}"
     head = controller = head_error = None
     try:
         if refusal is None:
             try:
-                main, tokenizer, head, _ = load_with_heads(path)
-            except HeadLoadError as exc:
-                head_error = {"reason": exc.reason, "message": str(exc)}
+                main, tokenizer, head = load_for_method(path, config)
+            except (HeadLoadError, UnsupportedServing) as exc:
+                if explicit:
+                    raise ServeRefused(exc.reason, str(exc), receipt_data) from exc
+                head_error = {"reason": str(exc.reason), "message": str(exc)}
                 refusal = f"{exc.reason}: {exc}"
         if head is None:
-            main, main_config = load_main(path)
-            tokenizer = load_tokenizer(path, eos_token_ids=main_config.get("eos_token_id", None))
+            main, tokenizer = load_plain(path)
     except (OSError, ValueError, KeyError) as exc:
         raise ServeError(f"cannot load {path}: {type(exc).__name__}: {exc}") from exc
     k = config.num_draft_tokens
     if head is not None and refusal is None:
         activation = evaluate(main, head, receipt, config, batch_size=1)
-        receipt = activation.receipt
+        receipt_data = json.loads(receipt_json(activation.receipt))
         controller = activation.controller
         if k == "auto":  # rows draft up to the deepest k the controller may choose
             k = controller.depth.max_k
     settings = {
+        "method": config.method.value,
         "num_draft_tokens": config.num_draft_tokens,
+        "draft_model": config.draft_model,
         "device_policy": config.device_policy.value,
+        "profile": profile,
+        "kv": dict(kv) if kv else None,
+        "chunked_prefill": chunked_prefill,
     }
     return ServedModel(
         path=path,
@@ -106,9 +165,10 @@ def load_served_model(
         controller=controller,
         num_draft_tokens=int(k) if k != "auto" else 1,
         refusal=refusal,
-        receipt=json.loads(receipt_json(receipt)),
+        receipt=receipt_data,
         settings=settings,
         head_load_error=head_error,
+        requested_method=config.method.value,
     )
 
 

@@ -81,8 +81,17 @@ def current_context() -> SpeculativeContext | None:
 class ServingBatchGenerator(MTPBatchGenerator):
     """MTPBatchGenerator plus the server's bookkeeping: contexts, usage, metrics, failures."""
 
-    def __init__(self, *args: Any, contexts: dict[int, Any], pending: list, metrics: Any, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        contexts: dict[int, Any],
+        pending: list,
+        metrics: Any,
+        method: str = "mtp",
+        **kwargs: Any,
+    ):
         super().__init__(*args, **kwargs)
+        self.method = method  # what fills the head slot: "mtp" or "draft_model"
         self.contexts = contexts  # uid -> SpeculativeContext
         self._pending = pending  # the context mlx-lm built for the next insert
         self.metrics = metrics
@@ -144,7 +153,7 @@ class ServingBatchGenerator(MTPBatchGenerator):
         for r in generation:
             if r.finish_reason is not None and r.uid in self.contexts:
                 ctx = self.contexts.pop(r.uid)
-                ctx.speculative = speculative_usage(r.stats, self.refusal)
+                ctx.speculative = speculative_usage(r.stats, self.refusal, self.method)
         self.metrics.observe_step(
             self.last_report, len(generation), self._counters.prompt_tokens - prompt_before, self.batch.rows
         )
@@ -222,6 +231,7 @@ class ServingResponseGenerator(ResponseGenerator):
             contexts=self.contexts,
             pending=self._pending,
             metrics=self.metrics,
+            method=served.requested_method,
             **options,
         )
         return self.batch_generator
