@@ -22,13 +22,11 @@ class RefusalReason(enum.StrEnum):
     missing_head_weights = "missing_head_weights"  # config advertises heads the weights lack
     head_shape_mismatch = "head_shape_mismatch"  # a head tensor's shape fits another model
     unsupported_model = "unsupported_model"  # family has no head we run (or no head at all)
-    unvalidated_family = "unvalidated_family"  # borrowed head layout not yet validated
     unvalidated_sidecar = "unvalidated_sidecar"  # assistant / MTP-only checkpoint offered
     unsupported_cache_sharing = "unsupported_cache_sharing"  # a cache kind has no exact rollback
     unsupported_quantization = "unsupported_quantization"  # a quantized cache (or head) we cannot run
     device_policy_disabled = "device_policy_disabled"  # the measured device policy said off
     invalid_config = "invalid_config"  # config.json values are out of range or mistyped
-    depth_exceeds_heads = "depth_exceeds_heads"  # k > heads and the family cannot chain
     vocab_mismatch = "vocab_mismatch"  # draft and target do not share a vocabulary
     operator_disabled = "operator_disabled"  # method none or device policy force_off
     unreadable_checkpoint = "unreadable_checkpoint"  # a file is missing, unreadable or corrupt

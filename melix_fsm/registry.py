@@ -41,9 +41,11 @@ class NormRepair(enum.StrEnum):
 
 
 class Chain(enum.StrEnum):
+    """How a head drafts depth k > 1: it runs again on its own hidden output (every
+    runnable family can, so any depth is admitted; there is no "cannot chain")."""
+
     pre_norm = "pre_norm"
     post_norm = "post_norm"
-    none = "none"
 
 
 class WeightLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -70,7 +72,6 @@ class Family(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cache_kinds: tuple[str, ...]
     name: str = ""  # filled from the table key
     head_module: str | None = None
-    layout_of: str | None = None
     validated: bool = False
     head_count_keys: tuple[str, ...] = ()
     layer_count_keys: tuple[str, ...] = ()
@@ -201,20 +202,6 @@ def parse_families(data: dict[str, Any], kinds: dict[str, str], path: str = "<fa
         elif fam.refusal is not None or fam.head_module is not None:
             raise SpecError(path, where, "a 'no_mtp' entry has no head_module and no refusal")
         families[name] = fam
-    for name, fam in families.items():
-        if fam.layout_of is None:
-            continue
-        base = families.get(fam.layout_of)
-        if base is None or base.support is not Support.mtp or base.layout_of is not None:
-            raise SpecError(
-                path,
-                f"families.{name}.layout_of",
-                f"{fam.layout_of!r} is not a runnable family with its own layout",
-            )
-        if fam.head_module != base.head_module:
-            raise SpecError(
-                path, f"families.{name}.head_module", f"must be {base.head_module!r}, as its layout_of"
-            )
     return schema, families, model_types, sidecar
 
 

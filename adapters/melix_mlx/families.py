@@ -4,8 +4,8 @@ Rules:
 - Nothing about a family is written here: model types, head-count keys and head modules
   come from `melix_fsm.registry`. A family the registry does not run (refused, no MTP,
   unknown) raises `UnsupportedModel` with the registry's reason.
-- The family name returned is the head module's name (a borrowed layout returns the
-  module it borrows), which is what `melix_mlx.heads` is keyed by.
+- The family name returned is the head module's name, which is what `melix_mlx.heads`
+  is keyed by.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from melix_fsm.registry import Family, Support, registry
 from .errors import UnsupportedModel
 
 FAMILIES = tuple(
-    sorted({f.head_module for f in registry().families.values() if f.head_module and not f.layout_of})
+    sorted({f.head_module for f in registry().families.values() if f.head_module})
 )
 
 

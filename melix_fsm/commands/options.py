@@ -103,6 +103,10 @@ def kv_arguments(args: argparse.Namespace) -> dict[str, Any]:
 def serving_context(args: argparse.Namespace, *, batched: bool = False) -> ServingContext:
     """The receipt's serving context for these flags (`batched`: rows share batch caches)."""
     quantized = args.quantized_kv or args.kv_bits is not None
+    group = (args.kv_group_size or DEFAULT_KV_GROUP_SIZE) if quantized else None
     return ServingContext(
-        quantized_kv=quantized, chunked_prefill=args.chunked_prefill, batched=batched or args.batched
+        quantized_kv=quantized,
+        chunked_prefill=args.chunked_prefill,
+        batched=batched or args.batched,
+        kv_group_size=group,
     )

@@ -11,7 +11,7 @@ from ..checkpoint import head_only, int_setting, scan_heads
 from ..config import AUTO_DEPTH, SpeculativeConfig
 from ..policy.depth import AUTO_MAX_DEPTH
 from ..reasons import RefusalReason
-from ..registry import Chain, Registry, Support
+from ..registry import Registry, Support
 from ..sidecar import SidecarReport
 from .checks import (
     _Refusal,
@@ -24,6 +24,7 @@ from .checks import (
     refuse_sidecar,
     vocab_size,
 )
+from .kv_groups import check_kv_group
 from .schema import BatchShape, ServingContext
 
 MAX_HEADS = 64  # more advertised head layers than this is a corrupt config, not a model
@@ -99,29 +100,14 @@ def assess_mtp(
             f"config advertises {heads} MTP head layer(s) ({key}) but the weights lack {shown}; "
             "mlx-lm conversions drop head tensors: convert from the original checkpoint",
         )
-    if family.layout_of is not None and not family.validated:
-        raise _Refusal(
-            RefusalReason.unvalidated_family,
-            f"{family.name} borrows the {family.layout_of} head layout, which is not yet validated "
-            "on a real checkpoint of this family",
-        )
-    if (
-        config.num_draft_tokens != AUTO_DEPTH
-        and config.num_draft_tokens > heads
-        and family.chain is Chain.none
-    ):
-        raise _Refusal(
-            RefusalReason.depth_exceeds_heads,
-            f"num_draft_tokens = {config.num_draft_tokens} exceeds the {heads} head layer(s) "
-            f"and {family.name} cannot chain its head",
-        )
     if ckpt.quantized and not family.quantized_matmul:
         raise _Refusal(
             RefusalReason.unsupported_quantization, f"{family.name} heads cannot run on quantized weights"
         )
     check_serving(reg, family, kinds, context, "model")
+    check_kv_group(ckpt, context, "model")
     plan_caches(reg, kinds, context, r)
-    r["max_depth"] = min(heads, AUTO_MAX_DEPTH) if family.chain is Chain.none else AUTO_MAX_DEPTH
+    r["max_depth"] = AUTO_MAX_DEPTH  # every runnable head chains (spec/families.toml `chain`)
     where = f"the validated sidecar {sidecar.path}" if sidecar is not None else ", ".join(scan.files)
     layers = f"{heads} layer(s)"
     if heads > 1:
@@ -159,6 +145,7 @@ def assess_draft(
                 f"draft model cache kind {kind!r}: in the head slot only trimmable KV caches roll back",
             )
     check_serving(reg, family, cache_kinds(family, target), context, "model")
+    check_kv_group(target, context, "model")  # the target's cache is the one quantized
     check_serving(reg, draft_family, cache_kinds(draft_family, draft), context, "draft model")
     plan_caches(reg, kinds, context, r)
     r["max_depth"] = AUTO_MAX_DEPTH

@@ -17,6 +17,7 @@ from ..registry import registry
 from ..sidecar import SidecarReport
 from .assessment import assess_draft, assess_mtp
 from .checks import _Refusal, cache_kinds, check_serving, family_of, read_model
+from .kv_groups import check_kv_group
 from .schema import Mode, Receipt, ServingContext
 
 
@@ -133,8 +134,13 @@ def serving_refusal(
     reg = registry()
     try:
         ckpt = read_model(os.fspath(model_dir), "model")
-        family = family_of(reg, ckpt, "model")
-        check_serving(reg, family, cache_kinds(family, ckpt), context, "model")
+        try:
+            family = family_of(reg, ckpt, "model")
+        except _Refusal:  # not in the registry: only mlx's own limits apply
+            family = None
+        if family is not None:
+            check_serving(reg, family, cache_kinds(family, ckpt), context, "model")
+        check_kv_group(ckpt, context, "model")  # any family: mlx cannot quantize it
     except _Refusal as exc:
         if exc.reason in (RefusalReason.unsupported_quantization,):
             return exc.reason, exc.message

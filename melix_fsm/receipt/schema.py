@@ -20,7 +20,7 @@ from ..registry import Chain, Concat, NormRepair, Support
 from ..sidecar import SidecarReport
 from ..spec import spec_dir
 
-SCHEMA_ID = "melix-fsm/receipt/3"
+SCHEMA_ID = "melix-fsm/receipt/4"
 
 
 class Mode(enum.StrEnum):
@@ -46,6 +46,7 @@ class ServingContext(msgspec.Struct, frozen=True, kw_only=True):
     quantized_kv: bool = False
     chunked_prefill: bool = False
     batched: bool = False  # rows are merged into batch caches (several prompts, a server)
+    kv_group_size: int | None = None  # with quantized_kv: must divide the head dim (receipt.kv_groups)
 
 
 class CachePlan(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,10 +1,11 @@
 """Every RefusalReason in the enum is produced by a concrete input (none is dead vocabulary).
 
 Receipt-time reasons come from checkpoint directories and settings (no weights read);
-runtime ones from the loaded decoder or loader. `depth_exceeds_heads` belongs to a
-family whose head cannot chain (`chain = "none"`), `unvalidated_family` to one that
-borrows another's head layout (`layout_of`) unvalidated; no shipped family in
-spec/families.toml is either, so both come from an entry edited to declare it.
+runtime ones from the loaded decoder or loader. Two former reasons are gone because no
+input could produce them: `depth_exceeds_heads` (every runnable head chains, so any depth
+is admitted) and `unvalidated_family` (no family borrows another's head layout; each has
+its own head module under greedy-identity tests). spec/families.toml no longer has the
+keys that would need them (`chain = "none"`, `layout_of`).
 """
 
 from __future__ import annotations
@@ -21,9 +22,7 @@ from melix_mlx.checkpoints import resolve_model
 
 from melix_fsm.config import speculative_config
 from melix_fsm.reasons import RefusalReason, reason_of
-from melix_fsm.receipt import ServingContext, resolution, resolve  # resolve reads `registry` there
-from melix_fsm.registry import load_registry
-from melix_fsm.spec import spec_dir
+from melix_fsm.receipt import ServingContext, resolve
 
 QUANTIZED = ServingContext(quantized_kv=True)
 BATCHED = ServingContext(batched=True)
@@ -67,26 +66,6 @@ def _head_shape(tmp: Path) -> RefusalReason | None:
     with pytest.raises(HeadLoadError) as err:
         load_with_heads(path)
     return err.value.reason
-
-
-def _registry_with(tmp: Path, monkeypatch, family: str, old: str, new: str) -> None:
-    """Resolve receipts against spec/families.toml with one family's entry edited."""
-    families = (spec_dir() / "families.toml").read_text()
-    at = families.index(old, families.index(f"[families.{family}]"))
-    edited = tmp / "families.toml"
-    edited.write_text(families[:at] + new + families[at + len(old) :])
-    monkeypatch.setattr(resolution, "registry", lambda: load_registry(families_path=edited))
-
-
-def _depth_exceeds_heads(tmp: Path, monkeypatch) -> RefusalReason | None:
-    _registry_with(tmp, monkeypatch, "deepseek_v3", 'chain = "pre_norm"', 'chain = "none"')
-    return _receipt(_tiny(), num_draft_tokens=2)
-
-
-def _unvalidated_family(tmp: Path, monkeypatch) -> RefusalReason | None:
-    borrowed = 'head_module = "deepseek_v3"\nlayout_of = "deepseek_v3"'
-    _registry_with(tmp, monkeypatch, "glm4_moe", 'head_module = "glm4_moe"', borrowed)
-    return _receipt(_copy(_tiny(), tmp / "glm", model_type="glm4_moe"))
 
 
 def _device_policy(tmp: Path, monkeypatch) -> RefusalReason | None:
@@ -150,13 +129,11 @@ CASES: dict[RefusalReason, Callable[..., RefusalReason | None]] = {
     RefusalReason.missing_head_weights: lambda tmp, mp: _missing_head(tmp),
     RefusalReason.head_shape_mismatch: lambda tmp, mp: _head_shape(tmp),
     RefusalReason.unsupported_model: lambda tmp, mp: _receipt(make_llama(tmp / "llama")),
-    RefusalReason.unvalidated_family: _unvalidated_family,
     RefusalReason.unvalidated_sidecar: lambda tmp, mp: _receipt(make_sidecar(_tiny(), tmp / "sidecar")),
     RefusalReason.unsupported_cache_sharing: lambda tmp, mp: _receipt(_sliding(tmp), BATCHED),
     RefusalReason.unsupported_quantization: lambda tmp, mp: _receipt(_tiny(), QUANTIZED),
     RefusalReason.device_policy_disabled: _device_policy,
     RefusalReason.invalid_config: lambda tmp, mp: _receipt(_copy(_tiny(), tmp / "b", **NEGATIVE_HEADS)),
-    RefusalReason.depth_exceeds_heads: _depth_exceeds_heads,
     RefusalReason.vocab_mismatch: lambda tmp, mp: _vocab(tmp),
     RefusalReason.operator_disabled: lambda tmp, mp: _receipt(_tiny(), method="none"),
     RefusalReason.unreadable_checkpoint: lambda tmp, mp: _receipt(tmp / "does-not-exist"),

@@ -20,7 +20,7 @@ from melix_mlx.loading import load_with_heads
 
 from melix_fsm.reasons import RefusalReason
 from melix_fsm.receipt import resolution, resolve  # resolve reads the registry in resolution
-from melix_fsm.registry import registry
+from melix_fsm.registry import Support, registry
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
 N = 10
@@ -68,14 +68,19 @@ def test_sliding_window_mimo_decoders_follow_the_receipt(tiny_checkpoint):
 
 
 def test_a_refusing_receipt_stops_speculation_with_its_reason(tiny_checkpoint, monkeypatch):
-    """A family whose layout the registry marks unvalidated: typed refusal end to end."""
+    """A family the receipt's registry refuses (the loader's still runs it): typed refusal end to end."""
     reg = registry()
-    borrowed = msgspec.structs.replace(reg.families["glm4_moe"], layout_of="deepseek_v3")
-    patched = msgspec.structs.replace(reg, families={**reg.families, "glm4_moe": borrowed})
+    refused = msgspec.structs.replace(
+        reg.families["glm4_moe"],
+        support=Support.refused,
+        refusal=RefusalReason.unsupported_model,
+        message="glm4_moe refused for this test",
+    )
+    patched = msgspec.structs.replace(reg, families={**reg.families, "glm4_moe": refused})
     monkeypatch.setattr(resolution, "registry", lambda: patched)
     model, tokenizer, head, info = load_with_heads(tiny_checkpoint("glm4_moe"))
-    assert info.receipt.refusal_reason is RefusalReason.unvalidated_family
-    assert info.refusal is not None and info.refusal.startswith("unvalidated_family: ")
+    assert info.receipt.refusal_reason is RefusalReason.unsupported_model
+    assert info.refusal == "unsupported_model: glm4_moe refused for this test"
     _decoders_follow(model, tokenizer, head, info)
 
 

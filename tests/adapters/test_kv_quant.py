@@ -159,3 +159,36 @@ def test_cli_refuses_what_nothing_can_run(mimo, tiny_checkpoint, tmp_path, capsy
         captured = capsys.readouterr()
         assert json.loads(captured.out)["error"] == "unsupported_quantization"
         assert "Traceback" not in captured.err
+
+
+def test_group_size_not_dividing_the_head_dim_is_refused_before_weights(mimo, monkeypatch, capsys) -> None:
+    """mlx cannot quantize a 32-wide head in groups of 64: refused from config.json, typed."""
+    from melix_mlx import method_load
+
+    from melix_fsm.cli import main
+
+    path, model, _, _, _ = mimo
+    with pytest.raises(ValueError):  # the refusal is not spurious: mlx-lm's own decode fails
+        reference(model, PROMPT, 4, kv_bits=4, kv_group_size=64, quantized_kv_start=0)
+    bad = ServingContext(quantized_kv=True, kv_group_size=64)
+    receipt = resolve(path, speculative_config(), context=bad)
+    assert receipt.refusal_reason is RefusalReason.unsupported_quantization
+    assert "kv_group_size 64" in receipt.message and "head dim 32" in receipt.message
+    good = ServingContext(quantized_kv=True, kv_group_size=GROUP)
+    assert resolve(path, speculative_config(), context=good).mode is Mode.accepted
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("weights were read before the refusal")
+
+    monkeypatch.setattr(method_load, "load_plain", forbidden)
+    monkeypatch.setattr(method_load, "load_for_method", forbidden)
+    flags = ["--kv-bits", "4", "--kv-group-size", "64"]
+    assert main(["receipt", str(path), *flags]) == 3
+    assert json.loads(capsys.readouterr().out)["refusal_reason"] == "unsupported_quantization"
+    for method in ([], ["--method", "none"]):  # plain decoding cannot run it either
+        assert main(["generate", "--model", str(path), "--prompt", "x", *flags, *method]) == 3
+        captured = capsys.readouterr()
+        assert json.loads(captured.out)["error"] == "unsupported_quantization"
+        assert "kv_group_size 64" in captured.err
+    assert main(["generate", "--model", str(path), "--prompt", "x", "--quantized-kv"]) == 3  # default 64
+    assert "kv_group_size 64" in capsys.readouterr().err

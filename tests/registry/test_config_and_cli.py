@@ -183,7 +183,7 @@ def test_schema_file_is_not_stale() -> None:
 def test_schema_cli_prints_the_schema(capsys: pytest.CaptureFixture[str]) -> None:
     status, out, _ = _cli(capsys, "--schema")
     assert status == EXIT_OK and out == schema_json()
-    assert json.loads(out)["$id"] == "melix-fsm/receipt/3"
+    assert json.loads(out)["$id"] == "melix-fsm/receipt/4"
 
 
 def test_direct_construction_is_checked_too() -> None:

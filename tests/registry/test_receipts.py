@@ -14,7 +14,6 @@ from melix_fsm.errors import IllegalTransition
 from melix_fsm.lifecycle import SequenceMachine, State
 from melix_fsm.reasons import RefusalReason
 from melix_fsm.receipt import BatchShape, HardwareGate, Mode, Receipt, ServingContext, receipt_json, resolve
-from melix_fsm.registry import registry
 
 from .conftest import Fakes, write_safetensors, write_tokenizer
 from .test_registry_spec import REFUSED
@@ -51,21 +50,6 @@ def test_family_facts_come_from_the_registry(fakes: Fakes) -> None:
     assert mimo.concat == "hidden_first" and mimo.norm_repair == "none"
     ds = resolve(fakes.make("deepseek_v3"))
     assert ds.chain == "pre_norm" and [c.kind for c in ds.caches] == ["kv"]
-
-
-def test_borrowed_layouts_are_refused_until_validated(fakes: Fakes, monkeypatch) -> None:
-    """No shipped family borrows a layout now; the rule still holds for one that does."""
-    from melix_fsm.receipt import resolution  # resolve reads the registry there
-
-    reg = registry()
-    borrowed = msgspec.structs.replace(
-        reg.families["glm4_moe"], layout_of="deepseek_v3", head_module="deepseek_v3"
-    )
-    patched = msgspec.structs.replace(reg, families={**reg.families, "glm4_moe": borrowed})
-    monkeypatch.setattr(resolution, "registry", lambda: patched)
-    r = resolve(fakes.make("glm4_moe"))
-    assert r.mode is Mode.refused and r.refusal_reason is RefusalReason.unvalidated_family
-    assert r.weights_present  # the detection itself still ran and reports the facts
 
 
 @pytest.mark.parametrize("layout", ["single", "sharded", "sidecar"])

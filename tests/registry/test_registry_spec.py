@@ -59,7 +59,7 @@ def test_runnable_families_have_their_own_head_modules() -> None:
     reg = registry()
     for name in ("qwen3_5_moe", "qwen3_next", "glm4_moe"):
         fam = reg.families[name]
-        assert fam.layout_of is None and fam.head_module == name
+        assert fam.head_module == name
 
 
 def test_rollback_matrix_covers_every_cell() -> None:
@@ -104,15 +104,15 @@ FAMILY_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
         lambda d: d["families"]["nemotron_h"].update(refusal="nope"),
         "families.nemotron_h",
     ),
-    (
-        "layout_of unknown",
-        lambda d: d["families"]["glm4_moe"].update(layout_of="gpt2"),
-        "families.glm4_moe.layout_of",
+    (  # no borrowed layouts: nothing could refuse one (no unvalidated_family reason)
+        "layout_of is no key",
+        lambda d: d["families"]["glm4_moe"].update(layout_of="deepseek_v3"),
+        "families.glm4_moe",
     ),
-    (
-        "layout_of other module",
-        lambda d: d["families"]["glm4_moe"].update(layout_of="deepseek_v3", head_module="mimo"),
-        "families.glm4_moe.head_module",
+    (  # every head chains: nothing could refuse a depth (no depth_exceeds_heads reason)
+        "chain none",
+        lambda d: d["families"]["glm4_moe"].update(chain="none"),
+        "families.glm4_moe",
     ),
     ("multi-line doc", lambda d: d["families"]["mimo"].update(doc="a\nb"), "families.mimo.doc"),
     ("no_mtp with head", lambda d: d["families"]["llama"].update(head_module="qwen3_5"), "families.llama"),

@@ -112,7 +112,12 @@ def load_served_model(
         raise ServeError(f"{path}: not a checkpoint directory (no config.json)")
     # every served row shares batch caches: the receipt is resolved for a batched start,
     # before any tensor is read
-    context = ServingContext(quantized_kv=bool(kv), chunked_prefill=chunked_prefill, batched=True)
+    context = ServingContext(
+        quantized_kv=bool(kv),
+        chunked_prefill=chunked_prefill,
+        batched=True,
+        kv_group_size=kv.get("kv_group_size") if kv else None,
+    )
     receipt = resolve(path, config, context=context, machine=SequenceMachine(0))
     receipt_data = json.loads(receipt_json(receipt))
     if receipt.refusal_reason is RefusalReason.unreadable_checkpoint:
