@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -68,12 +67,12 @@ def head_weights() -> dict:
 
 @pytest.fixture(scope="module")
 def script() -> ModuleType:
+    """The training recipe (scripts/training), imported as scripts/train_checkpoint.py does."""
     spec = importlib.util.spec_from_file_location("melix_train_checkpoint", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    spec.loader.exec_module(module)  # puts scripts/ on the path, imports training.cli
+    return importlib.import_module("training")
 
 
 def test_config_is_deepseek_v3_with_one_mtp_layer(config: dict) -> None:
@@ -484,9 +483,9 @@ def test_training_chain_step_is_the_decoders_second_draft(name: str, script: Mod
     def chained(x: mx.array) -> mx.array:
         return head.shared_head.norm(x) if chain == "post" else x
 
-    tap = script._KeyTap()
+    tap = script.KeyTap()
     first = head.hidden(h[:, :-1], emb(w[:, 1:]), tap)
-    got = head.hidden(chained(first)[:, :-1], emb(w[:, 2:]), script._ChainedCache(tap),
+    got = head.hidden(chained(first)[:, :-1], emb(w[:, 2:]), script.ChainedCache(tap),
                       script.chain_mask(n, n - 1))
     want = []
     for i in range(n - 1):
