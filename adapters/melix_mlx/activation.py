@@ -29,9 +29,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from melix_fsm.config import AUTO_DEPTH, SpeculativeConfig
-from melix_fsm.policy.controller import Decision, LiveConfig, LiveController
+from melix_fsm.policy.controller import LiveController
 from melix_fsm.policy.cost_model import CycleForwards, TimingTable, acceptance_prior, replay_rate
 from melix_fsm.policy.decision import HardwareDecision, Policy, decide
+from melix_fsm.policy.live_types import Decision, LiveConfig
 from melix_fsm.policy.telemetry import detect
 from melix_fsm.receipt import Receipt, with_hardware
 

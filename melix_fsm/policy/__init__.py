@@ -8,6 +8,7 @@ One concern per module, in the order data flows through them:
 - `decision`    `decide`: the admission gate the receipt records (fail closed, operator overrides)
 - `throughput`  forgetting windows of tokens/s and per-position acceptance
 - `depth`       `DepthChooser`: the auto depth from measured per-position acceptance
+- `live_types`  the controller's actions, reasons, config, shared decision, events, counters
 - `controller`  `LiveController`: speculate only while it measures faster than plain decode
 - `errors`      `PolicyError`, `CalibrationError(reason)`
 

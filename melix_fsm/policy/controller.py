@@ -2,7 +2,8 @@
 
 (Over 400 lines on purpose: one class holds the controller's whole state machine, probes,
 hysteresis and the depth hand-off, so every switch is visible in one place; the windows,
-the depth chooser and the cost model it reads live in their own modules.)
+the depth chooser, the cost model it reads and its record types (live_types) live in their
+own modules.)
 
 Rules of this module:
 - Pure and sans-IO: no mlx, no clock. The engine times each decode step and passes the
@@ -33,7 +34,6 @@ Rules of this module:
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -48,146 +48,18 @@ from .cost_model import (
     TimingTable,
     acceptance_rate_of,
 )
-from .decision import DEFAULT_MARGIN, Policy
+from .decision import Policy
 from .depth import (
     AUTO_MAX_DEPTH,
     DepthChooser,
-    DepthConfig,
     DepthDecision,
     DepthEvent,
     DepthReason,
     model_choice,
 )
 from .errors import CalibrationError, PolicyError
+from .live_types import Action, Decision, Estimate, LiveConfig, LiveCounters, LiveEvent, LiveReason
 from .throughput import PositionAcceptance, Rate
-
-
-class Action(enum.StrEnum):
-    """What the caller does at the next cycle boundary (as lifecycle suspend / resume events)."""
-
-    keep = "keep"
-    suspend = "suspend"
-    resume = "resume"
-
-
-class LiveReason(enum.StrEnum):
-    """Why the live controller switched (the lifecycle suspend / resume reason)."""
-
-    prior_admitted = "prior_admitted"  # the cost model admitted the start
-    prior_disabled = "prior_disabled"  # the cost model disabled the start
-    not_measured = "not_measured"  # auto without a calibration: disabled
-    measured_slower = "measured_slower"  # speculative tokens/s measured below plain
-    measured_faster = "measured_faster"  # a plain probe measured slower than speculation
-    measured_tie = "measured_tie"  # no difference beyond the noise: the current state stays
-    plain_probe = "plain_probe"  # a plain window starts, to measure plain tokens/s live
-    probe = "probe"  # a speculative window starts while suspended
-    probe_passed = "probe_passed"  # the speculative probe measured faster: stay on
-    probe_failed = "probe_failed"  # it did not: suspended again, longer wait
-    probe_inconclusive = "probe_inconclusive"  # too few usable samples: back to where it was
-    low_acceptance = "low_acceptance"  # untimed (cost model): acceptance no longer pays
-    compute_bound = "compute_bound"  # untimed: not even perfect acceptance pays here
-    above_threshold = "above_threshold"  # the estimate pays again
-    shared_decision = "shared_decision"  # rank 0's decision replaced this rank's
-
-
-class LiveConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Constants of the live controller (steps are `update` calls)."""
-
-    decay: float = 0.98  # per-sample forgetting of the throughput sums (~50-step window)
-    acceptance_decay: float = 0.95  # per-step forgetting of per-position acceptance
-    z: float = 2.5  # a verdict must clear its threshold by this many standard errors
-    alpha: float = 0.1  # EMA of accepted / proposed (reported; the untimed fallback)
-    min_samples: int = 4  # timed steps before a side's throughput counts as measured
-    every: int = 4  # compare the two sides every N steps
-    suspend_below: float = 0.97  # suspend when measured speedup falls below this
-    resume_above: float = 1.03  # resume only above this
-    min_dwell: int = 16  # steps after a policy switch before the next one
-    first_probe_after: int = 16  # steps before the first probe of the unmeasured side, except:
-    defer_plain_above: float = 1.25  # speculation clearly beats the calibrated plain: first plain probe later
-    doubtful_probe_after: int = 256  # the calibration says not even perfect acceptance pays
-    plain_probe_every: int = 128  # steps between plain probes while speculating ...
-    probe_after: int = 64  # ... and between speculative probes while suspended
-    probe_steps: int = 8  # timed steps in one probe window, at least ...
-    probe_max_steps: int = 48  # ... a speculative probe runs on until its verdict is clear, up to this
-    probe_backoff: float = 2.0  # each probe that confirms the current state doubles the wait
-    probe_max_after: int = 1024  # ... up to this many steps
-    margin: float = DEFAULT_MARGIN  # the prior admits at predicted speedup >= 1 + margin
-    depth: DepthConfig = DepthConfig()
-
-    def __post_init__(self) -> None:
-        if not (0.0 < self.decay < 1.0 and 0.0 < self.acceptance_decay <= 1.0 and 0.0 < self.alpha <= 1.0):
-            raise PolicyError("live controller: decay in (0, 1), acceptance_decay and alpha in (0, 1]")
-        if not self.suspend_below < self.resume_above:
-            raise PolicyError("live controller: suspend_below must be below resume_above (the hysteresis)")
-        small = (self.min_samples, self.every, self.first_probe_after, self.plain_probe_every)
-        if min(*small, self.probe_after, self.probe_steps) < 1 or self.min_dwell < 0:
-            raise PolicyError("live controller: step counts must be >= 1 (min_dwell >= 0)")
-        if self.probe_max_steps < self.probe_steps or self.min_samples > self.probe_steps:
-            raise PolicyError("live controller: probe_max_steps >= probe_steps >= min_samples")
-        if self.doubtful_probe_after < 1 or self.defer_plain_above < self.resume_above:
-            raise PolicyError("live controller: doubtful_probe_after >= 1, defer_plain_above >= resume_above")
-        if self.probe_backoff < 1.0 or self.probe_max_after < max(self.probe_after, self.plain_probe_every):
-            raise PolicyError("live controller: probe_backoff >= 1, probe_max_after >= the probe waits")
-
-
-class Decision(msgspec.Struct, frozen=True):
-    """What the next step does: the value ranks share (rank 0's wins)."""
-
-    speculating: bool
-    k: int
-
-    def as_ints(self) -> tuple[int, int]:
-        """For a collective: e.g. all_sum of [speculating, k] with zeros off rank 0."""
-        return int(self.speculating), self.k
-
-    @classmethod
-    def from_ints(cls, values: Sequence[float]) -> Decision:
-        return cls(bool(round(values[0])), max(1, int(round(values[1]))))
-
-
-class LiveEvent(msgspec.Struct, frozen=True, kw_only=True):
-    """One recorded on/off decision with the measurements it was taken from."""
-
-    step: int
-    action: Action
-    reason: str  # a LiveReason, or the calibration's failure reason for a disabled start
-    batch_size: int
-    k: int
-    speculating: bool  # after the decision
-    measured_speedup: float | None = None  # speculative / plain normalised tokens/s
-    spec_rate: float | None = None
-    plain_rate: float | None = None
-    predicted_speedup: float | None = None  # the cost model's, with live acceptance
-    source: str = ""  # measured | measured_spec (vs the calibrated plain) | model | none
-
-
-class LiveCounters(msgspec.Struct, kw_only=True):
-    """Counters of one run (the stats' `policy` block)."""
-
-    steps: int = 0
-    steps_speculative: int = 0  # steps that drafted
-    steps_plain: int = 0
-    steps_suspended: int = 0  # steps taken while the controller said plain
-    steps_excluded: int = 0  # steps overlapping a prefill: counted, timing unused
-    steps_untimed: int = 0  # steps fed without seconds
-    evaluations: int = 0
-    suspend_decisions: int = 0
-    resume_decisions: int = 0  # passed probes included
-    plain_probes: int = 0
-    probes: int = 0  # speculative probes while suspended
-    probes_passed: int = 0
-    probes_failed: int = 0
-    probes_inconclusive: int = 0
-    shared_overrides: int = 0  # updates where rank 0's decision replaced this rank's
-
-
-class Estimate(msgspec.Struct, frozen=True, kw_only=True):
-    speedup: float | None
-    source: str
-    noise: float = 0.0  # relative standard error of the speedup (0: a model figure)
-    spec_rate: float | None = None
-    plain_rate: float | None = None
-    predicted: float | None = None
 
 
 class LiveController:

@@ -23,7 +23,7 @@ from scripted_head import ScriptedHead  # tests/adapters is on sys.path (rootdir
 
 from melix_fsm import invariants
 from melix_fsm.lifecycle import Event, State
-from melix_fsm.policy.controller import Action
+from melix_fsm.policy.live_types import Action
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [100, 3, 8], [7, 8, 9, 10, 11, 12, 13, 14]]
 MAX_TOKENS = 24

@@ -7,8 +7,9 @@ from hypothesis import strategies as st
 
 from melix_fsm.batch import Batch
 from melix_fsm.lifecycle import ADMIT, CYCLE_READY, PLAIN_STEP, VERIFY, State, draft, verified
-from melix_fsm.policy.controller import Action, LiveController
+from melix_fsm.policy.controller import LiveController
 from melix_fsm.policy.decision import decide
+from melix_fsm.policy.live_types import Action
 
 from .conftest import BANDWIDTH_BOUND, PRIOR
 

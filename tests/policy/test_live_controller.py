@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 from melix_fsm.batch import Batch
 from melix_fsm.lifecycle import ADMIT, PLAIN_STEP, VERIFY, draft, verified
-from melix_fsm.policy.controller import Action, Decision, LiveConfig, LiveController, LiveReason
+from melix_fsm.policy.controller import LiveController
 from melix_fsm.policy.cost_model import Timings
 from melix_fsm.policy.errors import CalibrationError, PolicyError
+from melix_fsm.policy.live_types import Action, Decision, LiveConfig, LiveReason
 
 from .conftest import BANDWIDTH_BOUND, COMPUTE_BOUND, PRIOR
 from .world import World, run

@@ -11,7 +11,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from melix_fsm.policy.controller import Action, LiveController
+from melix_fsm.policy.controller import LiveController
+from melix_fsm.policy.live_types import Action
 
 
 @dataclass
