@@ -81,6 +81,7 @@ class Family(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     quantized_matmul: bool = False
     quantized_kv_cache: bool = True  # False for MLA: the latent cache cannot be quantized
     batch_reshape: bool = False
+    sliding_layer_types: bool = False  # mlx-lm windows the layers layer_types marks sliding
     weights: WeightLayout | None = None
     refusal: RefusalReason | None = None
     message: str = ""

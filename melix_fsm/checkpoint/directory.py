@@ -66,12 +66,11 @@ class Checkpoint(msgspec.Struct, frozen=True):
 
     @property
     def sliding_window(self) -> bool:
-        """Some layer attends over a sliding window (mlx-lm gives it a RotatingKVCache)."""
-        text = self.text
-        layer_types = text.get("layer_types")
-        if isinstance(layer_types, list) and "sliding_attention" in layer_types:
-            return True
-        return text.get("use_sliding_window") is True and isinstance(text.get("sliding_window"), int)
+        """`layer_types` lists a "sliding_attention" layer (a family whose mlx-lm model reads
+        layer_types gives it a RotatingKVCache; `use_sliding_window` alone turns on no
+        window in the mlx-lm model of any registered family, so it is not read here)."""
+        layer_types = self.text.get("layer_types")
+        return isinstance(layer_types, list) and "sliding_attention" in layer_types
 
     @property
     def melix_file(self) -> str | None:

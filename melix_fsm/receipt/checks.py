@@ -86,8 +86,8 @@ def plan_caches(reg: Registry, kinds: list[str], context: ServingContext, r: dic
 
 def cache_kinds(family: Family, ckpt: Checkpoint) -> list[str]:
     kinds = list(family.cache_kinds)
-    if ckpt.sliding_window and "rotating" not in kinds:
-        kinds.append("rotating")  # the config turns sliding-window layers on
+    if family.sliding_layer_types and ckpt.sliding_window and "rotating" not in kinds:
+        kinds.append("rotating")  # mlx-lm's model gives the config's sliding layers a window
     return kinds
 
 

@@ -3,7 +3,8 @@
 Rules:
 - `make_llama(out)`: a random 2-layer llama (no MTP head) in mlx-lm's layout with the
   embedded checkpoints' tokenizer, so it shares their vocabulary (a draft model or a
-  plain-decode target).
+  plain-decode target). Extra keyword arguments go into its config.json (e.g.
+  `layer_types` / `sliding_window`, which mlx-lm's llama reads to window layers).
 - `make_sidecar(src, out)`: a copy of `src` whose config marks it as an MTP-only
   sidecar (architecture name with "MTP"), which the registry refuses.
 """
@@ -22,7 +23,7 @@ TOKENIZER_FROM = Path(__file__).resolve().parents[2] / "adapters" / "melix_mlx" 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def make_llama(out: Path, seed: int = 0, hidden_size: int = 64) -> Path:
+def make_llama(out: Path, seed: int = 0, hidden_size: int = 64, **extra: object) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     config = {
         "model_type": "llama",
@@ -36,6 +37,7 @@ def make_llama(out: Path, seed: int = 0, hidden_size: int = 64) -> Path:
         "tie_word_embeddings": False,
         "bos_token_id": 0,
         "eos_token_id": 0,
+        **extra,
     }
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))

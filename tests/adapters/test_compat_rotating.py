@@ -3,8 +3,9 @@
 Greedy output equals mlx-lm's own `max_kv_size` decoding token for token (windows small
 enough to wrap many times, depths 1-3, a head wrong every third draft so rollbacks run);
 the windowed reference differs from the unwindowed one, so the comparison sees whether
-the window is applied. A batch with rotating caches and a quantized window are refused,
-typed, as spec/rollback.toml names them.
+the window is applied. A batch with rotating caches is refused, typed, as
+spec/rollback.toml names it (windows from a checkpoint's own config, batched and quantized:
+tests/adapters/test_compat_sliding_layers.py).
 """
 
 from __future__ import annotations
@@ -19,9 +20,7 @@ from melix_mlx.window_kv import WindowedKVCache
 from mlx_lm.models.cache import make_prompt_cache
 from scripted_head import ScriptedHead
 
-from melix_fsm.config import speculative_config
 from melix_fsm.reasons import RefusalReason
-from melix_fsm.receipt import Mode, ServingContext, resolve
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 5, 17, 33, 2]
 N = 32
@@ -76,18 +75,10 @@ def test_windowed_trim_restores_exactly() -> None:
     assert cache.start <= 11 - 4 + 1  # the next query (position 11) finds its whole window
 
 
-def test_batched_and_quantized_windows_refused_typed(tiny_checkpoint) -> None:
+def test_batched_max_kv_size_refused_typed(tiny_checkpoint) -> None:
     from melix_mlx.batch_generator import MTPBatchGenerator
 
     model, _, head, _ = load_with_heads(tiny_checkpoint("mimo"))
     gen = MTPBatchGenerator(model, head, max_kv_size=8)
     assert gen.refusal.startswith(RefusalReason.unsupported_cache_sharing.value)
     gen.close()
-    sliding = tiny_checkpoint("mimo", use_sliding_window=True, sliding_window=64)
-    assert resolve(sliding, speculative_config()).mode is Mode.accepted
-    for context, reason in (
-        (ServingContext(quantized_kv=True), RefusalReason.unsupported_quantization),
-        (ServingContext(batched=True), RefusalReason.unsupported_cache_sharing),
-    ):
-        receipt = resolve(sliding, speculative_config(), context=context)
-        assert receipt.refusal_reason is reason, receipt.message

@@ -60,9 +60,10 @@ def test_receipt_comes_with_the_head(tiny_dirs):
 
 
 def test_sliding_window_mimo_decoders_follow_the_receipt(tiny_checkpoint):
-    """The checkpoint the CLI refuses as rotating (sliding window): the library agrees."""
+    """use_sliding_window, which mlx-lm's mimo model ignores: plain KV caches, speculated on."""
     path = tiny_checkpoint("mimo", use_sliding_window=True, sliding_window=6, max_window_layers=0)
     model, tokenizer, head, info = load_with_heads(path)
+    assert [p.kind for p in info.receipt.caches] == ["kv"] and info.refusal is None
     assert head is not None  # decoding stays possible, speculating follows the receipt
     _decoders_follow(model, tokenizer, head, info)
 

@@ -168,16 +168,34 @@ def test_depth_beyond_heads_is_admitted_for_chaining_families(fakes: Fakes) -> N
     assert r.mode is Mode.accepted and r.effective_depth == 3 and r.head_count == 1
 
 
-def test_sliding_window_runs_alone_and_unquantized(fakes: Fakes) -> None:
-    path = fakes.make("mimo", update={"use_sliding_window": True, "sliding_window": 512})
-    r = resolve(path)
-    assert r.mode is Mode.accepted and any(p.kind == "rotating" and p.strategy for p in r.caches)
+def test_sliding_layers_run_alone_and_unquantized(fakes: Fakes) -> None:
+    """A llama whose layer_types mark sliding layers: mlx-lm windows them (rotating cache)."""
+    swa = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 512}
+    target, draft = fakes.make("llama", update=swa), fakes.make("llama")
+    config = speculative_config(method="draft_model", draft_model=str(draft))
+    r = resolve(target, config)
+    assert r.mode is Mode.accepted
+    assert [(p.kind, p.strategy) for p in r.caches] == [("kv", "trim"), ("rotating", "window_spare")]
     for context, reason in (
         (ServingContext(quantized_kv=True, chunked_prefill=True), RefusalReason.unsupported_quantization),
         (ServingContext(batched=True), RefusalReason.unsupported_cache_sharing),
     ):
-        r = resolve(path, context=context)
+        r = resolve(target, config, context=context)
         assert r.refusal_reason is reason and "rotating" in r.message
+
+
+@pytest.mark.parametrize(
+    "update",
+    [
+        {"use_sliding_window": True, "sliding_window": 512},
+        {"layer_types": ["sliding_attention"], "sliding_window": 512},
+    ],
+)
+def test_window_keys_an_mlx_lm_model_ignores_add_no_window(fakes: Fakes, update: dict) -> None:
+    """mlx-lm's mimo (qwen2) model reads neither key: plain KVCache, so batches are admitted."""
+    path = fakes.make("mimo", update=update)
+    r = resolve(path, context=ServingContext(batched=True))
+    assert r.mode is Mode.accepted and [p.kind for p in r.caches] == ["kv"]
 
 
 @pytest.mark.parametrize(
