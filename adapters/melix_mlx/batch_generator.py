@@ -66,7 +66,7 @@ from melix_fsm.report import RowReport, StepReport
 from . import head_receipt, ragged_kv, rollback
 from .batch_rows import InsertRequest, MTPResponse, RowState
 from .batch_surface import BatchSurface
-from .engine import CycleEngine, RowHead, RowPlan, Settled, SpeculativeFault
+from .engine import CycleEngine, Flight, PlainStep, RowHead, RowPlan, Settled, SpeculativeFault
 from .prefill import check_prompt, prefill_with_hidden
 from .sampling import normalize_logits, params_of
 from .token_history import TokenHistory
@@ -129,7 +129,10 @@ class MTPBatchGenerator(BatchSurface):
         self._joined: list[Any] = []
         self._left: list[Any] = []
         self._first_logprobs: dict[int, mx.array] = {}
-        self._ahead: tuple[mx.array, mx.array] | None = None  # a plain step launched ahead
+        self._ahead: Flight | PlainStep | None = None  # the next step, launched before it was due
+        self._ahead_plans: list[RowPlan] = []  # its plans
+        self._ahead_uids: list[Any] = []  # the rows it was launched for
+        self._ahead_fault: tuple[SpeculativeFault, list[tuple[Any, int]]] | None = None
         self._last_step_end: float | None = None
         self._admitted_since = False
         self._retired_counters: dict[Any, Any] = {}
@@ -236,6 +239,7 @@ class MTPBatchGenerator(BatchSurface):
 
     def remove(self, uids: Sequence[int], return_prompt_caches: bool = False) -> dict[int, Any]:
         wanted = set(uids)
+        self._drop_cycle_ahead()
         caches = self.extract_cache(wanted) if return_prompt_caches else {}
         self._queue = deque(r for r in self._queue if r.uid not in wanted)
         leaving = [uid for uid in self.batch.uids if uid in wanted]
@@ -250,6 +254,7 @@ class MTPBatchGenerator(BatchSurface):
         for r in self._queue:
             if r.uid in uids:
                 out[r.uid] = self._queued_cache(r)
+        self._drop_cycle_ahead()  # its rollback is not settled: the caches are read after it
         ahead = self._ahead is not None  # a plain step running ahead already fed each row's y
         for i, row in enumerate(self.batch):
             if row.uid in uids:
@@ -276,11 +281,12 @@ class MTPBatchGenerator(BatchSurface):
                 self._counters.decode_time += time.perf_counter() - tic
                 self._counters.generation_tokens += len(generation)
                 self._counters.generation_steps += 1
+            self._check_ahead()
             prompt_responses = self._prefill_segments()
             prompt_responses += self._admit(generation)
             if self._joined:
                 self._admitted_since = True  # the next period includes this prefill
-            self._launch_plain_ahead()
+            self._launch_next()
             self.last_report = StepReport(
                 rows=[
                     RowReport(
@@ -306,21 +312,67 @@ class MTPBatchGenerator(BatchSurface):
         counters = self.batch.row(uid).counters if uid in self.batch else self._retired_counters.get(uid)
         return counters.copy() if counters is not None else None
 
-    def _launch_plain_ahead(self) -> None:
-        """Start the next step now when it will be plain, as mlx-lm's generator does.
+    def _launch_next(self) -> None:
+        """Start the next step now, as mlx-lm's generator does for its plain steps.
 
         The device computes it while the caller handles this call's responses; the next
-        `next()` only syncs it. Only plain steps run ahead: a speculative cycle's trims
-        need its outcome, and a queue waiting for admission reshapes the batch first.
+        `next()` syncs it. Not while a queue waits for admission (it reshapes the batch
+        first). `remove`, `extract_cache` and `close` undo a cycle launched this way.
         """
         if not len(self.batch) or self._queue or self._ahead is not None:
             return
-        plans = self._plans(self.batch.rows, [row.payload for row in self.batch.rows])
-        if any(p.k for p in plans):
+        rows = self.batch.rows
+        plans = self._plans(rows, [row.payload for row in rows])
+        step = self._launch(rows, plans)
+        if step is not None:
+            self._keep_ahead(step, rows, plans)
+
+    def _launch_ahead(self, rows: tuple[Row, ...], plans: list[RowPlan]) -> None:
+        """Launch step n + 1 before step n settles. A fault while building it is recorded
+        once step n's events are (`_fault_ahead`): the lifecycle sees steps in order."""
+        try:
+            step = self.engine.launch(plans) if any(p.k for p in plans) else self.engine.plain(plans)
+        except SpeculativeFault as fault:
+            self._ahead_fault = (fault, [(row.uid, p.k) for row, p in zip(rows, plans) if p.k > 0])
             return
-        tokens, logprobs = self.engine.plain(plans)
-        mx.async_eval(tokens)
-        self._ahead = (tokens, logprobs)
+        self._keep_ahead(step, rows, plans)
+
+    def _keep_ahead(self, step: Flight | PlainStep, rows: tuple[Row, ...], plans: list[RowPlan]) -> None:
+        if isinstance(step, PlainStep):
+            mx.async_eval(step.tokens)
+        self._ahead, self._ahead_plans, self._ahead_uids = step, plans, [row.uid for row in rows]
+
+    def _fault_ahead(self) -> None:
+        """Record a fault met while launching a step ahead, for the rows still here."""
+        if self._ahead_fault is None:
+            return
+        fault, rows = self._ahead_fault
+        self._ahead_fault = None
+        here = [(uid, k) for uid, k in rows if uid in self.batch]
+        if here:
+            self._fault_rows([uid for uid, _ in here], [k for _, k in here], fault)
+
+    def _check_ahead(self) -> None:
+        """Keep the step launched ahead only if it still fits: the same rows, every row
+        speculating or not as the lifecycle and the policy now say (a suspended row never
+        drafts) and none deeper than now allowed. Otherwise it is undone and the step is
+        launched again when due."""
+        step = self._ahead
+        if step is None:
+            return
+        rows = self.batch.rows
+        fresh = self._plans(rows, [row.payload for row in rows]) if rows else []
+        same_rows = [row.uid for row in rows] == self._ahead_uids
+        pairs = list(zip(fresh, self._ahead_plans))
+        if same_rows and all((now.k > 0) == (then.k > 0) and then.k <= now.k for now, then in pairs):
+            return
+        self.engine.abandon(step)
+        self._ahead = None
+
+    def _drop_cycle_ahead(self) -> None:
+        if isinstance(self._ahead, Flight):
+            self.engine.abandon(self._ahead)
+            self._ahead = None
 
     def _apply_policy(self, size: int, seconds: float | None, tokens: int, exclude: bool = False) -> None:
         """Feed the controller this step's outcomes and wall time; its action becomes events."""
@@ -470,13 +522,19 @@ class MTPBatchGenerator(BatchSurface):
         return normalize_logits(logits)
 
     # -- one decode step -------------------------------------------------------------
-    def _plans(self, rows: tuple[Row, ...], states: list[RowState]) -> list[RowPlan]:
+    def _plans(
+        self, rows: tuple[Row, ...], states: list[RowState], before: list[RowPlan] | None = None
+    ) -> list[RowPlan]:
+        """Each row's plan for the next step; `before`: the plans of a step not yet settled
+        (each row may still emit k + 1 tokens in it)."""
         depth = getattr(self.controller, "k", None) if self.controller is not None else None
         plans = []
-        for row, state in zip(rows, states):
+        for i, (row, state) in enumerate(zip(rows, states)):
             k = 0
             if row.state in lc.CYCLE_READY and state.refusal is None and self.head is not None:
                 remaining = state.max_tokens - state.num_generated
+                if before is not None:
+                    remaining -= before[i].k + 1
                 k = max(1, min(depth or state.k, state.k, remaining - 1))
             sampler = None if state.sampler is greedy_sampler else state.sampler
             history = state.history.upto() if state.history is not None else None
@@ -486,24 +544,54 @@ class MTPBatchGenerator(BatchSurface):
     def _step(self) -> list[MTPResponse]:
         rows = self.batch.rows
         states: list[RowState] = [row.payload for row in rows]
-        plans = self._plans(rows, states)
-        spec = [i for i, p in enumerate(plans) if p.k > 0]
-        if spec:
+        step, plans = self._ahead, self._ahead_plans  # launched at the end of the previous call?
+        self._ahead = None
+        if step is None:
+            plans = self._plans(rows, states)
+            step = self._launch(rows, plans)
+            if step is None:
+                return []
+        if self._may_run_ahead(states, plans):  # step n + 1 is built before step n is synced
+            self._launch_ahead(rows, self._plans(rows, states, before=plans))
+        if isinstance(step, Flight):
             try:
-                settled = self.engine.settle(self.engine.launch(plans))
+                settled = self.engine.settle(step)
             except SpeculativeFault as fault:  # the rows continue plainly; no token was emitted
+                self._ahead = None  # undoing the cycle voided the step built on it
+                spec = [i for i, p in enumerate(plans) if p.k > 0]
                 self._fault_rows([rows[i].uid for i in spec], [plans[i].k for i in spec], fault)
                 return []
         else:
-            if self._ahead is not None:  # launched at the end of the previous call
-                tokens, logprobs = self._ahead
-                self._ahead = None
-            else:
-                tokens, logprobs = self.engine.plain(plans)
             B = len(rows)
-            settled = Settled([0] * B, [[t] for t in tokens.tolist()], logprobs[:, None], [[]] * B)
+            tokens = self.engine.settle_plain(step)
+            settled = Settled([0] * B, [[t] for t in tokens], step.logprobs[:, None], [[]] * B)
         self.row_forwards += len(rows)
-        return self._conclude(rows, states, plans, settled)
+        out = self._conclude(rows, states, plans, settled)
+        self._fault_ahead()
+        return out
+
+    def _launch(self, rows: tuple[Row, ...], plans: list[RowPlan]) -> Flight | PlainStep | None:
+        """Launch this step; None when its cycle faulted while building (rows faulted)."""
+        if not any(p.k for p in plans):
+            return self.engine.plain(plans)
+        try:
+            return self.engine.launch(plans)
+        except SpeculativeFault as fault:  # the rows continue plainly; no token was emitted
+            spec = [i for i, p in enumerate(plans) if p.k > 0]
+            self._fault_rows([rows[i].uid for i in spec], [plans[i].k for i in spec], fault)
+            return None
+
+    def _may_run_ahead(self, states: list[RowState], plans: list[RowPlan]) -> bool:
+        """Whether step n + 1 may be launched before step n settles.
+
+        Not with a queue (admission reshapes the batch), not when a row may reach its
+        length limit in step n (it leaves), not with logits processors (they read the
+        host's history), and only where rollback runs in the graph."""
+        if self._queue or any(p.processors for p in plans):
+            return False
+        if any(s.max_tokens - s.num_generated <= p.k + 1 for s, p in zip(states, plans)):
+            return False
+        return self.engine.may_run_ahead()
 
     def _conclude(
         self, rows: tuple[Row, ...], states: list[RowState], plans: list[RowPlan], settled: Settled
@@ -572,6 +660,7 @@ class MTPBatchGenerator(BatchSurface):
                 self.engine.forget(head)
 
     def _finish(self, uids: list[Any], out: list[MTPResponse]) -> None:
+        self._drop_cycle_ahead()  # built for rows that are leaving; their caches are read now
         done = set(uids)
         by_uid = {}
         for i, row in enumerate(self.batch):
@@ -594,6 +683,7 @@ class MTPBatchGenerator(BatchSurface):
         self._filter([i for i, uid in enumerate(self.batch.uids) if uid not in done])
 
     def _filter(self, keep: list[int]) -> None:
+        self._drop_cycle_ahead()  # built for rows that are leaving
         engine = self.engine
         if keep:
             for c in engine.cache:
@@ -602,8 +692,9 @@ class MTPBatchGenerator(BatchSurface):
                 c.filter(keep)
         else:
             engine.cache, engine.head_cache = [], []
-        engine.filter(keep)
-        if self._ahead is not None:  # the step running ahead keeps the surviving rows
-            index = mx.array(keep, dtype=mx.int32)
-            self._ahead = (self._ahead[0][index], self._ahead[1][index]) if keep else None
+        engine.filter(keep)  # a plain step running ahead keeps the surviving rows
+        if self._ahead is not None:
+            self._ahead = engine.in_flight[0] if keep else None
+            self._ahead_plans = [self._ahead_plans[i] for i in keep]
+            self._ahead_uids = [self._ahead_uids[i] for i in keep]
         self.batch.filter(keep)

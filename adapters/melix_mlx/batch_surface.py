@@ -85,7 +85,10 @@ class BatchSurface:
 
     # -- lifetime --------------------------------------------------------------------
     def close(self) -> None:
-        """Drop a step launched ahead and restore the wired limit set at construction."""
+        """Undo a step launched ahead and restore the wired limit set at construction."""
+        if self._ahead is not None:
+            with contextlib.suppress(RuntimeError):  # a plain step of since-filtered rows
+                self.engine.abandon(self._ahead)  # type: ignore[attr-defined]
         self._ahead = None
         if getattr(self, "_old_wired_limit", None) is not None:
             mx.synchronize(self._stream)

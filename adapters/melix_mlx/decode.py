@@ -6,10 +6,18 @@ Rules of this module:
   model decides every emitted token; drafts only decide how many come per forward.
 - The cycle itself (drafts, verify, acceptance on the device, head catch-up, rollback
   without replay) is melix_mlx.engine's, shared with the batched generator.
-- Host work overlaps device work as in mlx-lm's `generate_step`: the next step (a cycle
-  or a plain forward) is launched with `mx.async_eval` BEFORE the current step's tokens
-  are yielded, so the caller's detokenizing and this module's bookkeeping run while the
-  device computes. Plain steps are mlx-lm's own pipelined loop.
+- Host work overlaps device work as in mlx-lm's `generate_step`: step n + 1 (a cycle or
+  a plain forward) is built on step n's lazy outcome and launched with `mx.async_eval`
+  BEFORE step n is synced, so graph building, the caller's detokenizing and this
+  module's bookkeeping run while the device computes. After a cycle this needs a
+  rollback that runs in the graph: once admitted, the sequence decodes on one-row batch
+  caches (mlx-lm's own `merge`, melix_mlx.ragged_kv) and is handed back in mlx-lm's
+  single-sequence form when the generator ends. Without that (logits processors need
+  the host's token history, quantized KV its host offsets, sliding windows their own
+  cache) a cycle's successor is launched right after its sync, before the yield.
+- A step launched ahead follows the verdict that stood at its launch. If settling the
+  step before it changes the verdict (suspended, resumed, faulted), the ahead step is
+  abandoned (its marks restored) and relaunched: a suspended window never drafts.
 - Every draft, verify, accept/rollback, plain step and fault is a transition of the
   sequence's lifecycle machine (melix_fsm.lifecycle), sent when the step's outcome is
   known; its counters are the statistics.
@@ -17,7 +25,7 @@ Rules of this module:
   are restored and decoding continues plainly from the last confirmed token. No token
   is lost; the fault is counted and its message kept in `fault_message`.
 - A generator closed early leaves the cache holding the prompt and every yielded token
-  but the last (an in-flight cycle is undone).
+  but the last (in-flight steps are undone), in mlx-lm's single-sequence form.
 - Quantized KV (`kv_bits`, `kv_group_size`, `quantized_kv_start`, as in mlx-lm) uses
   mlx-lm's own conversion at mlx-lm's moments: after every prefill chunk and before
   every step, layers whose offset reached the start become QuantizedKVCache (which
@@ -33,20 +41,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, maybe_quantize_kv_cache
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, _merge_caches, maybe_quantize_kv_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from melix_fsm import lifecycle as lc
 from melix_fsm.lifecycle import SequenceMachine
 from melix_fsm.reasons import RefusalReason, reason_of, refusal_text
 
-from . import head_receipt, rollback, window_kv
-from .engine import CycleEngine, Flight, RowHead, RowPlan, SpeculativeFault
+from . import head_receipt, ragged_kv, rollback, window_kv
+from .engine import CycleEngine, Flight, PlainStep, RowHead, RowPlan, SpeculativeFault
 from .prefill import check_prompt, prefill_with_hidden
 from .sampling import SamplingParams, normalize_logits, params_of
 from .token_history import TokenHistory
@@ -55,14 +62,6 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 Sampler = Callable[[mx.array], mx.array]
 Emitted = tuple[int, mx.array, bool]
 
-
-
-@dataclass
-class _Plain:
-    """A launched plain step."""
-
-    token: mx.array  # [1]
-    logprobs: mx.array  # [1, V]
 
 
 class MTPDecoder:
@@ -112,6 +111,8 @@ class MTPDecoder:
         self.controller = controller  # melix_fsm.policy.controller.LiveController, or None: always on
         self._history: TokenHistory | None = None  # prompt and every yielded token (processors only)
         self._last_step_end: float | None = None
+        self._single_form: list[Any] | None = None  # the caller's cache list while rows run batch-form
+        self._deferred_fault: tuple[SpeculativeFault, int] | None = None  # from a launch ahead
 
     @property
     def cache(self) -> list[Any]:
@@ -177,7 +178,7 @@ class MTPDecoder:
         """mlx-lm's own KV conversion, at the moments mlx-lm applies it."""
         maybe_quantize_kv_cache(self.cache, self.quantized_kv_start, self.kv_group_size, self.kv_bits)
 
-    def _start(self, remaining: int) -> Flight | _Plain:
+    def _start(self, remaining: int) -> Flight | PlainStep:
         self._quantize()
         k = self._depth(remaining)
         if k > 0:
@@ -185,14 +186,52 @@ class MTPDecoder:
                 return self.engine.launch([self._plan(k)])
             except SpeculativeFault as fault:
                 self._fault(fault, k)
-        token, logprobs = self.engine.plain([self._plan(0)])
-        mx.async_eval(token)
-        return _Plain(token, logprobs)
+        return self._plain()
 
-    def _finish(self, step: Flight | _Plain) -> list[Emitted] | None:
+    def _plain(self) -> PlainStep:
+        step = self.engine.plain([self._plan(0)])
+        mx.async_eval(step.tokens)
+        return step
+
+    def _launch_ahead(self, step: Flight | PlainStep, remaining: int) -> Flight | PlainStep | None:
+        """Step n + 1, built on `step`'s lazy outcome before `step` is synced (or None).
+
+        `remaining` counts the tokens still wanted before `step`; the ahead step plans for
+        the fewest that can remain after it. A fault while building it is recorded after
+        `step` settles (the lifecycle sees events in step order).
+        """
+        if self.processors or self.kv_bits is not None:
+            return None  # processors read the host's history; quantization, host offsets
+        if isinstance(step, Flight) and not self.engine.may_run_ahead():
+            return None
+        left = remaining - (step.ks[0] + 1 if isinstance(step, Flight) else 1)
+        if left <= 0:
+            return None
+        k = self._depth(left)
+        if k == 0:
+            return self._plain()
+        try:
+            return self.engine.launch([self._plan(k)])
+        except SpeculativeFault as fault:
+            self._deferred_fault = (fault, k)
+            return None
+
+    def _still_valid(self, ahead: Flight | PlainStep | None) -> Flight | PlainStep | None:
+        """Keep a step launched ahead only if the verdict that launched it still stands
+        (speculating or not, and no deeper than the depth now allowed)."""
+        if ahead is None:
+            return None
+        speculating = self.machine.state in lc.CYCLE_READY and not self.refusal
+        depth = getattr(self.controller, "k", self.k) if self.controller is not None else self.k
+        if isinstance(ahead, Flight) != speculating or (isinstance(ahead, Flight) and ahead.ks[0] > depth):
+            self.engine.abandon(ahead)
+            return None
+        return ahead
+
+    def _finish(self, step: Flight | PlainStep) -> list[Emitted] | None:
         """Sync one launched step and record it; None when a cycle faulted."""
-        if isinstance(step, _Plain):
-            token = int(step.token.item())
+        if isinstance(step, PlainStep):
+            token = self.engine.settle_plain(step)[0]
             self.machine.send(lc.PLAIN_STEP)
             if self._boundary_pause:  # back to speculating after the step at the start
                 self._boundary_pause = False
@@ -260,29 +299,70 @@ class MTPDecoder:
         self.engine.extend(mx.array([y]), [row])
         if self.processors:
             self._history = TokenHistory([*prompt_tokens, y])  # everything before y, then y
-        yield y, logprobs[-1], False
         produced = 1
-        step: Flight | _Plain | None = None
+        step: Flight | PlainStep | None = None
+        ahead: Flight | PlainStep | None = None
         try:
+            if row.draft is not None:
+                self._enter_batch_form()
+            yield y, logprobs[-1], False
             while max_tokens < 0 or produced < max_tokens:
-                remaining = max_tokens - produced if max_tokens >= 0 else self.k + 1
+                remaining = max_tokens - produced if max_tokens >= 0 else 2 * self.k + 2
                 if step is None:
                     step = self._start(remaining)
+                ahead = self._launch_ahead(step, remaining)
                 out = self._finish(step)
                 step = None
+                if self._deferred_fault is not None:
+                    self._fault(*self._deferred_fault)
+                    self._deferred_fault = None
                 if out is None:
-                    continue  # faulted: the next iteration decodes y plainly
+                    ahead = None  # faulted: undoing the cycle voided the step built on it
+                    continue  # the next iteration decodes y plainly
+                ahead = self._still_valid(ahead)
                 out = out[:remaining]
                 if self._history is not None:
                     self._history.extend([t for t, _, _ in out])
                 produced += len(out)
                 if max_tokens < 0 or produced < max_tokens:
                     # overlap: the device runs the next step while the caller consumes these
-                    step = self._start(max_tokens - produced if max_tokens >= 0 else self.k + 1)
+                    step = ahead or self._start(max_tokens - produced if max_tokens >= 0 else 2 * self.k + 2)
+                elif ahead is not None:
+                    self.engine.abandon(ahead)
+                ahead = None
                 yield from out
         finally:
-            if isinstance(step, Flight):
-                self.engine.abandon(step)
+            for launched in (step, ahead):  # undoing the earlier voids the later
+                if launched is not None:
+                    self.engine.abandon(launched)
+            self._leave_batch_form()
+
+    def _enter_batch_form(self) -> None:
+        """Run the cycles on one-row batch caches, whose rollback runs in the graph.
+
+        Only where mlx-lm's merge gives an exact one-row twin: plain KV and (captured)
+        recurrent layers, no processors, no quantized KV. Anything else stays in its
+        own form and rolls back after each sync.
+        """
+        cache, head_cache = self.engine.cache, self.engine.head_cache
+        if self.processors or self.kv_bits is not None:
+            return
+        kinds = (KVCache, ArraysCache)
+        if not all(type(c) in kinds for c in cache) or not all(type(c) is KVCache for c in head_cache):
+            return
+        self._single_form = cache
+        self.engine.cache = ragged_kv.adopt(_merge_caches([cache]))
+        self.engine.head_cache = ragged_kv.adopt(_merge_caches([head_cache]))
+
+    def _leave_batch_form(self) -> None:
+        """Hand the caches back in mlx-lm's single-sequence form, in the caller's list."""
+        if self._single_form is None:
+            return
+        single, self._single_form = self._single_form, None
+        for i, c in enumerate(self.engine.cache):
+            single[i] = c.extract(0)
+        self.engine.cache = single
+        self.engine.head_cache = [c.extract(0) for c in self.engine.head_cache]
 
     def _process(self, logits: mx.array, prompt: list[int]) -> mx.array:
         """Processed log-probabilities [1, V] of the prefill's last logits."""

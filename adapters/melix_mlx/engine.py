@@ -19,6 +19,13 @@ Rules of this module:
   read at position a (the row's accept count), which causal attention keeps blind to
   the don't-care positions; `settle` then trims those positions. So the head never
   needs a separate catch-up forward and shapes never depend on acceptance.
+- Run-ahead: a launched cycle already holds the engine's next state (last token, each
+  row's next draft, the caches as rolled back, all lazy), so the NEXT step can be
+  launched before this one is settled, as mlx-lm's generate_step builds token n+1
+  before it reads token n. That needs a rollback that runs in the graph
+  (`rollback.in_graph`: ragged batch KV and captured recurrent state); with other caches
+  the trims wait for the sync and `may_run_ahead` says no. Flights settle in launch
+  order; undoing one (a fault, an abandoned step) voids every step launched after it.
 - Rollback without replay: KV layers are trimmed per row (melix_mlx.rollback); recurrent
   layers are set to the state captured inside the verify at each row's accepted length
   (melix_mlx.capture). A cache whose recurrent layers cannot be captured is refused by
@@ -161,6 +168,42 @@ class Flight:
     next_hidden: mx.array  # [B, 1, D]
     mark: rollback.CacheMark
     head_mark: rollback.CacheMark
+    before: _EngineState  # the engine's state at launch: what an undo puts back
+    in_graph: bool  # the rollback ran inside the graph; settle only counts its holes
+
+
+@dataclass
+class _EngineState:
+    """The host-side references an undo restores (the arrays themselves are immutable)."""
+
+    y: mx.array
+    rows: list[tuple[Any, ...]]
+
+    @classmethod
+    def of(cls, engine: CycleEngine) -> _EngineState:
+        rows = [(r.draft, r.q, r.hidden, list(r.pending_h), list(r.pending_t)) for r in engine.rows]
+        return cls(engine.y, rows)
+
+    def put_back(self, engine: CycleEngine) -> None:
+        engine.y = self.y
+        for row, saved in zip(engine.rows, self.rows):
+            row.draft, row.q, row.hidden, row.pending_h, row.pending_t = saved
+
+
+@dataclass
+class PlainStep:
+    """A launched plain step (every row one token), not yet synchronised."""
+
+    tokens: mx.array  # [B]
+    logprobs: mx.array  # [B, V]
+    mark: rollback.CacheMark | None
+    head_mark: rollback.CacheMark | None
+    before: _EngineState | None  # None: the batch was reshaped since; it can only be settled
+
+    def filtered(self, keep: list[int]) -> PlainStep:
+        """The same step for the rows kept by a batch filter (it can no longer be abandoned)."""
+        index = mx.array(keep, dtype=mx.int32)
+        return PlainStep(self.tokens[index], self.logprobs[index], None, None, None)
 
 
 @dataclass
@@ -192,6 +235,7 @@ class CycleEngine:
         self.replay_forwards = 0  # stays 0: rollback selects captured states, it never replays
         self.head_forwards = 0
         self._drafted = False
+        self._in_flight: list[Flight | PlainStep] = []  # launched, not yet settled, in launch order
         self.clock: CycleClock | None = None  # set to a CycleClock to break cycles down (bench)
         self.agreement = agreement(model)  # rank 0's tokens on every rank (None: one process)
 
@@ -223,6 +267,8 @@ class CycleEngine:
         return row
 
     def extend(self, y: mx.array, rows: list[RowHead]) -> None:
+        if self._in_flight:
+            raise RuntimeError("rows cannot join while a step is in flight; settle it first")
         self.y = mx.concatenate([self.y, y.astype(mx.uint32)])
         self.rows.extend(rows)
 
@@ -233,6 +279,10 @@ class CycleEngine:
         row.pending_h, row.pending_t = [], []
 
     def filter(self, keep: list[int]) -> None:
+        """Keep rows `keep`; plain steps in flight keep those rows too (a cycle must settle first)."""
+        if any(isinstance(step, Flight) for step in self._in_flight):
+            raise RuntimeError("rows cannot leave while a cycle is in flight; settle it first")
+        self._in_flight = [step.filtered(keep) for step in self._in_flight] if keep else []
         self.y = self.y[mx.array(keep, dtype=mx.int32)] if keep else mx.zeros((0,), mx.uint32)
         self.rows = [self.rows[i] for i in keep]
 
@@ -287,15 +337,17 @@ class CycleEngine:
         B = len(plans)
         cp = rollback.mark(self.cache)
         head_cp = rollback.mark(self.head_cache)
+        before = _EngineState.of(self)
         self._drafted = False
         t0 = time.perf_counter()
         try:
-            flight = self._build(plans, ks, K, B, cp, head_cp)
+            flight = self._build(plans, ks, K, B, cp, head_cp, before)
             t1 = time.perf_counter()
             mx.async_eval(flight.accepted, flight.bonus, flight.inputs, flight.next_draft)
         except BaseException as exc:
             rollback.restore(self.cache, cp)
             rollback.restore(self.head_cache, head_cp)
+            before.put_back(self)
             if isinstance(exc, CallerError):
                 raise exc.cause from None  # the caller's bug: theirs to see, not a fault
             if isinstance(exc, ForwardFailed):
@@ -306,10 +358,32 @@ class CycleEngine:
             clock.build += t1 - t0
             clock.dispatch += time.perf_counter() - t1
             if clock._last_settle is not None:
-                clock.outside += t0 - clock._last_settle
+                clock.outside += max(t0 - clock._last_settle, 0.0)
+        self._advance(flight)
+        self._in_flight.append(flight)
         return flight
 
-    def _build(self, plans, ks, K, B, cp, head_cp) -> Flight:
+    @property
+    def in_flight(self) -> list[Flight | PlainStep]:
+        """Launched steps not yet settled, oldest first."""
+        return list(self._in_flight)
+
+    def may_run_ahead(self) -> bool:
+        """Whether a step may be launched before the last launched cycle is settled."""
+        caches = (self.cache, self.head_cache)
+        in_graph = all(rollback.in_graph(c) for c in caches)
+        return in_graph and not any(rollback.compaction_due(c) for c in caches)
+
+    def _advance(self, flight: Flight) -> None:
+        """The engine's state after the cycle, lazily: what the next step builds on."""
+        self.y = flight.bonus.astype(mx.uint32)
+        for i, row in enumerate(self.rows):
+            row.draft = flight.next_draft[i : i + 1]
+            row.q = flight.next_q[i]
+            row.hidden = flight.next_hidden[i : i + 1]
+            row.pending_h, row.pending_t = [], []
+
+    def _build(self, plans, ks, K, B, cp, head_cp, before) -> Flight:
         params = [p.params for p in plans]
         self.catch_up(plans)  # rows that decoded plainly since their last cycle
         # 1. drafts: column 0 came from the previous cycle; chain the head for the rest
@@ -355,6 +429,9 @@ class CycleEngine:
             accepted, bonus = both[0], both[1].astype(bonus.dtype)
         if armed:
             capture.select(armed, steps, accepted + 1)
+        in_graph = rollback.in_graph(self.cache) and rollback.in_graph(self.head_cache)
+        if in_graph:  # the next step may be built before this one's outcome is on the host
+            rollback.drop_row_suffixes(self.cache, K - accepted, skip_recurrent=True)
         # 4. the head: drop the chained entries, catch up on the verified block, draft next
         if K > 1 and chain_step is None:
             rollback.trim_all(self.head_cache, K - 1)
@@ -367,6 +444,8 @@ class CycleEngine:
         finally:
             absorbed_mla.disarm(marked)
         self.head_forwards += 1
+        if in_graph:
+            rollback.drop_row_suffixes(self.head_cache, K - accepted)
         at = accepted[:, None, None]
         next_draft, next_q = self._draw(mx.take_along_axis(head_logits, at, axis=1)[:, 0], params)
         return Flight(
@@ -381,6 +460,8 @@ class CycleEngine:
             next_hidden=mx.take_along_axis(head_hidden, at, axis=1),
             mark=cp,
             head_mark=head_cp,
+            before=before,
+            in_graph=in_graph,
         )
 
     def _logprobs(self, plans: list[RowPlan], logits: mx.array, inputs: mx.array) -> mx.array:
@@ -429,7 +510,12 @@ class CycleEngine:
         return accepted, bonus
 
     def settle(self, flight: Flight) -> Settled:
-        """The cycle's one sync; trims the caches to each row's accepted prefix."""
+        """The cycle's one sync; trims the caches to each row's accepted prefix.
+
+        Flights settle in launch order. A step launched after this one keeps running;
+        if this one fails, both are undone (`SpeculativeFault`) and the later one is void.
+        """
+        self._check_next(flight)
         t0 = time.perf_counter()
         try:
             mx.eval(flight.accepted, flight.bonus, flight.inputs, flight.next_draft)
@@ -437,19 +523,20 @@ class CycleEngine:
             self._undo(flight)
             raise self._fault(exc, True) from exc
         t1 = time.perf_counter()
+        self._in_flight.pop(0)
         accepted = flight.accepted.tolist()
         fed = flight.inputs.tolist()
         bonus = flight.bonus.tolist()
-        K = flight.K
-        # recurrent leaves already hold their captured states (selected in the graph)
-        rollback.drop_row_suffixes(self.cache, [K - a for a in accepted], skip_recurrent=True)
-        rollback.drop_row_suffixes(self.head_cache, [K - a for a in accepted])
-        self.y = flight.bonus.astype(mx.uint32)
-        for i, row in enumerate(self.rows):
-            row.draft = flight.next_draft[i : i + 1]
-            row.q = flight.next_q[i]
-            row.hidden = flight.next_hidden[i : i + 1]
-            row.pending_h, row.pending_t = [], []
+        drop = [flight.K - a for a in accepted]
+        if flight.in_graph:  # rolled back in the graph: the host learns how far
+            rollback.count_holes(self.cache, drop)
+            rollback.count_holes(self.head_cache, drop)
+            if not self._in_flight:  # reshaping waits for a moment with nothing in flight
+                rollback.compact_if_due(self.cache)
+                rollback.compact_if_due(self.head_cache)
+        else:  # recurrent leaves already hold their captured states (selected in the graph)
+            rollback.drop_row_suffixes(self.cache, drop, skip_recurrent=True)
+            rollback.drop_row_suffixes(self.head_cache, drop)
         tokens = [fed[i][1 : a + 1] + [bonus[i]] for i, a in enumerate(accepted)]
         drafts = [fed[i][1 : 1 + k] for i, k in enumerate(flight.ks)]
         if self.clock is not None:
@@ -460,20 +547,35 @@ class CycleEngine:
             clock.rollback += clock._last_settle - t1
         return Settled(accepted, tokens, flight.logprobs, drafts)
 
-    def abandon(self, flight: Flight) -> None:
-        """Undo a launched cycle that will never be settled (the consumer stopped)."""
-        self._undo(flight)
+    def abandon(self, step: Flight | PlainStep) -> None:
+        """Undo a launched step that will never be settled (the consumer stopped, or the
+        policy's verdict changed while it ran ahead); steps launched after it are void.
+        A void or settled step is left alone."""
+        if any(step is s for s in self._in_flight):
+            self._undo(step)
 
-    def _undo(self, flight: Flight) -> None:
-        rollback.restore(self.cache, flight.mark)
-        rollback.restore(self.head_cache, flight.head_mark)
+    def _check_next(self, step: Flight | PlainStep) -> None:
+        if not self._in_flight or self._in_flight[0] is not step:
+            raise RuntimeError("steps settle once each, in launch order (a void step cannot settle)")
+
+    def _undo(self, step: Flight | PlainStep) -> None:
+        if step.before is None or step.mark is None or step.head_mark is None:
+            raise RuntimeError("a plain step launched before a batch reshape cannot be undone")
+        at = next(i for i, s in enumerate(self._in_flight) if s is step)
+        voided = sum(isinstance(s, Flight) and s.in_graph for s in self._in_flight[at:])
+        rollback.restore(self.cache, step.mark, voided)
+        rollback.restore(self.head_cache, step.head_mark, voided)
+        step.before.put_back(self)
+        del self._in_flight[at:]
 
     # -- plain steps -----------------------------------------------------------------------
-    def plain(self, plans: list[RowPlan]) -> tuple[mx.array, mx.array]:
-        """One plain forward of every row's y: (next tokens [B], log-probs [B, V]), lazy.
+    def plain(self, plans: list[RowPlan]) -> PlainStep:
+        """One plain forward of every row's y: next tokens [B] and log-probs [B, V], lazy.
 
-        The hidden state waits as a pending head pair (fed at the next catch-up).
+        The hidden state waits as a pending head pair (fed at the next catch-up). The
+        step keeps a mark, so the latest step can be abandoned like a cycle.
         """
+        step_mark = (rollback.mark(self.cache), rollback.mark(self.head_cache), _EngineState.of(self))
         logits, hidden = forward_with_hidden(self.model, self.y[:, None], self.cache)
         self.target_forwards += 1
         try:
@@ -501,4 +603,14 @@ class CycleEngine:
                     for row in self.rows:
                         self.forget(row)
         self.y = tokens
-        return tokens, logprobs
+        step = PlainStep(tokens, logprobs, *step_mark)
+        self._in_flight.append(step)
+        return step
+
+    def settle_plain(self, step: PlainStep) -> list[int]:
+        """Sync a plain step: its tokens on the host (an error propagates: plain steps
+        are mlx-lm's own forward, not speculative faults)."""
+        self._check_next(step)
+        tokens = step.tokens.tolist()
+        self._in_flight.pop(0)
+        return tokens

@@ -14,6 +14,12 @@ Rules of this module:
   every row's live entries (one copy, amortised) once holes exceed `COMPACT_AT` of the
   buffer; `filter` also reclaims padding common to all rows; `extract` returns only a
   row's live entries.
+- Rollback can also run inside the cycle's lazy graph, before its outcome is on the host
+  (`drop_rows` with a device array): every rejected entry becomes a hole (no common trim,
+  that needs host values), the RoPE offsets move on the device, and the host-side hole
+  counts catch up once the outcome is synced (`count_holes`). This is what lets the next
+  cycle be built while the current one still runs. Compaction reshapes the buffer on the
+  host, so it waits for a moment with no cycle in flight (`compaction_due`).
 - `adopt` converts the `BatchKVCache` leaves mlx-lm's `merge` builds; every other kind is
   left alone.
 """
@@ -35,6 +41,7 @@ class RaggedBatchKVCache(BatchKVCache):
 
     holes: mx.array | None = None  # [B, n <= _idx] True where an entry was rolled back
     hole_counts: list[int] | None = None  # per row, on the host (for compaction)
+    uncounted: int = 0  # lazy drops whose holes the host has not counted yet
 
     def _hole_mask(self, length: int) -> mx.array:
         B = self.offset.shape[0]
@@ -49,8 +56,18 @@ class RaggedBatchKVCache(BatchKVCache):
         return self.hole_counts if self.hole_counts is not None else [0] * self.offset.shape[0]
 
     # -- rollback --------------------------------------------------------------------
-    def drop_rows(self, drop: list[int]) -> None:
-        """Roll row i back by drop[i] entries (all among the most recent writes)."""
+    def drop_rows(self, drop: list[int] | mx.array) -> None:
+        """Roll row i back by drop[i] entries (all among the most recent writes).
+
+        A device array (the cycle's outcome, not yet synced) is applied lazily: every
+        dropped entry becomes a hole and the host counts wait for `count_holes`.
+        """
+        if isinstance(drop, mx.array):
+            dropped = mx.arange(self._idx)[None] >= (self._idx - drop)[:, None]
+            self.holes = self._hole_mask(self._idx) | dropped
+            self.offset = self.offset - drop
+            self.uncounted += 1
+            return
         common = min(drop)
         if common:
             self.trim(common)
@@ -63,13 +80,30 @@ class RaggedBatchKVCache(BatchKVCache):
         self.holes = self._hole_mask(self._idx) | dropped
         self.hole_counts = [c + e for c, e in zip(self._counts(), extra)]
         self.offset = self.offset - extra_arr
-        worst = max(self.hole_counts)
-        if worst >= COMPACT_MIN and worst > COMPACT_AT * self._idx:
+        if self.compaction_due():
             self.compact()
+
+    def count_holes(self, drop: list[int]) -> None:
+        """The host's count of the holes a lazy `drop_rows(array)` made, once synced."""
+        self.uncounted -= 1
+        if any(drop):
+            self.hole_counts = [c + d for c, d in zip(self._counts(), drop)]
+
+    def _settled(self, operation: str) -> None:
+        """Reshaping needs the host counts: never while a lazy rollback is uncounted."""
+        if self.uncounted:
+            raise RuntimeError(f"{operation} of a ragged cache while a cycle's rollback is in flight")
+
+    def compaction_due(self) -> bool:
+        if self.uncounted:
+            return False
+        worst = max(self._counts(), default=0)
+        return worst >= COMPACT_MIN and worst > COMPACT_AT * self._idx
 
     def trim(self, n: int) -> int:
         n = min(self._idx, n)
         if self.holes is not None and self.holes.shape[1] > self._idx - n:
+            self._settled("trim over holes")
             # rows lose only the live entries among the trimmed ones
             cut = self.holes[:, self._idx - n :]
             live = n - cut.astype(mx.int32).sum(axis=1)
@@ -83,6 +117,7 @@ class RaggedBatchKVCache(BatchKVCache):
 
     def compact(self) -> None:
         """Gather every row's live entries, right-aligned; holes become left padding."""
+        self._settled("compact")
         if self.holes is None or self.keys is None:
             return
         pad = self.left_padding.tolist()
@@ -107,6 +142,7 @@ class RaggedBatchKVCache(BatchKVCache):
 
     # -- reshaping ---------------------------------------------------------------------
     def filter(self, batch_indices: Any) -> None:
+        self._settled("filter")
         rows = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
         if self.holes is not None:
             self.holes = self.holes[mx.array(rows)]
@@ -120,6 +156,7 @@ class RaggedBatchKVCache(BatchKVCache):
             self.holes, self.hole_counts = None, None
 
     def extend(self, other: BatchKVCache) -> None:
+        self._settled("extend")
         mine, theirs = self._idx, other._idx
         holes_a = self._hole_mask(mine) if self.holes is not None else None
         other_holes = getattr(other, "holes", None)
@@ -144,6 +181,7 @@ class RaggedBatchKVCache(BatchKVCache):
         self.hole_counts = counts
 
     def extract(self, idx: int) -> KVCache:
+        self._settled("extract")
         if self.holes is None:
             return super().extract(idx)
         pad = self.left_padding.tolist()[idx]

@@ -20,6 +20,11 @@ Rules of this module:
   melix_mlx.window_kv after the prefill (strategy `window_spare`); a batch refuses it
   (`refusal(..., batched=True)`). Unknown kinds are reported by `unsupported_kinds`
   before decoding starts; nothing rolls back approximately.
+- Where every leaf can (ragged batch KV, captured recurrent state), rollback runs inside
+  the cycle's lazy graph from the device's accept counts (`in_graph`): the next cycle
+  can then be built before this one's outcome reaches the host. Elsewhere (mlx-lm's
+  single-sequence, quantized and windowed caches, whose offsets are host integers) it
+  runs after the sync.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
@@ -153,12 +159,15 @@ class CacheMark:
     offsets: list[Any]  # per leaf: KV offset (int, or the per-row array of a batch cache)
     indices: list[int | None]  # per leaf: a batch cache's write index, else None
     arrays: list[list[Any] | None]  # per leaf: copied ArraysCache list, or None
+    holes: list[Any]  # per ragged leaf: its hole mask (None: no holes, or not ragged)
+    uncounted: list[int]  # per ragged leaf: in-graph rollbacks not yet counted by the host
 
 
 def mark(cache: list[Any]) -> CacheMark:
     offsets: list[Any] = []
     indices: list[int | None] = []
     arrays: list[list[Any] | None] = []
+    holes: list[Any] = []
     for c in leaves(cache):
         if isinstance(c, ArraysCache):
             offsets.append(None)
@@ -168,14 +177,25 @@ def mark(cache: list[Any]) -> CacheMark:
             offsets.append(c.offset)
             indices.append(getattr(c, "_idx", None))
             arrays.append(None)
-    return CacheMark(offsets, indices, arrays)
+        holes.append(getattr(c, "holes", None))
+    return CacheMark(offsets, indices, arrays, holes, [getattr(c, "uncounted", 0) for c in leaves(cache)])
 
 
-def restore(cache: list[Any], cp: CacheMark) -> None:
-    """Put every layer back exactly where the mark was taken."""
-    for c, offset, index, saved in zip(leaves(cache), cp.offsets, cp.indices, cp.arrays):
+def restore(cache: list[Any], cp: CacheMark, voided_drops: int | None = None) -> None:
+    """Put every layer back exactly where the mark was taken.
+
+    `voided_drops`: in-graph rollbacks launched since the mark and never settled (their
+    holes go with the restored mask; the host never counted them). The host counts of
+    rollbacks settled since stay: those cycles were launched before the mark. None: no
+    step settled since the mark, its own count comes back.
+    """
+    rows = zip(leaves(cache), cp.offsets, cp.indices, cp.arrays, cp.holes, cp.uncounted)
+    for c, offset, index, saved, holes, uncounted in rows:
         if saved is not None:
             c.cache = list(saved)
+        elif hasattr(c, "drop_rows"):  # ragged: the entries past the mark's index are garbage again
+            c._idx, c.offset, c.holes = index, offset, holes
+            c.uncounted = uncounted if voided_drops is None else c.uncounted - voided_drops
         elif index is not None:
             extra = c._idx - index
             if extra > 0:
@@ -186,12 +206,29 @@ def restore(cache: list[Any], cp: CacheMark) -> None:
                 c.trim(extra)
 
 
-def drop_row_suffixes(cache: list[Any], drop: list[int], *, skip_recurrent: bool = False) -> None:
+def in_graph(cache: list[Any]) -> bool:
+    """Whether every leaf rolls back inside the lazy graph (see the module rules)."""
+    return all(hasattr(c, "drop_rows") or isinstance(c, ArraysCache) for c in leaves(cache))
+
+
+def drop_row_suffixes(
+    cache: list[Any], drop: list[int] | mx.array, *, skip_recurrent: bool = False
+) -> None:
     """Remove the last drop[i] entries of row i from every KV leaf.
 
+    `drop` is host integers, or a device array (lazy, inside the cycle's graph: only for
+    caches `in_graph` accepts; `count_holes` later gives the host its values).
     Recurrent leaves cannot drop entries: they raise, unless `skip_recurrent` says the
     caller has already set them (captured states).
     """
+    if isinstance(drop, mx.array):
+        for c in leaves(cache):
+            if isinstance(c, ArraysCache):
+                if not skip_recurrent:
+                    raise TypeError("recurrent layers cannot drop entries; select captured states instead")
+                continue
+            c.drop_rows(drop)  # AttributeError: a caller skipped the in_graph check
+        return
     if not drop or not any(drop):
         return
     common = min(drop)
@@ -209,6 +246,25 @@ def drop_row_suffixes(cache: list[Any], drop: list[int], *, skip_recurrent: bool
         if any(extra):
             c.prepare(right_padding=extra)
             c.finalize()
+
+
+def count_holes(cache: list[Any], drop: list[int]) -> None:
+    """The host's values of an in-graph `drop_row_suffixes`, once the cycle is synced."""
+    for c in leaves(cache):
+        if hasattr(c, "count_holes"):
+            c.count_holes(drop)
+
+
+def compaction_due(cache: list[Any]) -> bool:
+    """Whether some ragged leaf has grown enough holes to reclaim (host counts)."""
+    return any(c.compaction_due() for c in leaves(cache) if hasattr(c, "compaction_due"))
+
+
+def compact_if_due(cache: list[Any]) -> None:
+    """Reclaim ragged holes where they grew too many (only with no cycle in flight)."""
+    for c in leaves(cache):
+        if hasattr(c, "compaction_due") and c.compaction_due():
+            c.compact()
 
 
 def trim_all(cache: list[Any], n: int) -> None:

@@ -128,7 +128,9 @@ def test_comparison_sees_a_wrong_rollback(loaded_heads, monkeypatch) -> None:
     _, head, k = heads(loaded_heads, "mimo")[1]
     real = rollback.drop_row_suffixes
 
-    def off_by_one(cache, drop, **kw):
+    def off_by_one(cache, drop, **kw):  # the same bug in the graph (device array) or after the sync
+        if isinstance(drop, mx.array):
+            return real(cache, mx.maximum(drop - 1, 0), **kw)
         return real(cache, [max(d - 1, 0) for d in drop], **kw)
 
     monkeypatch.setattr(engine_mod.rollback, "drop_row_suffixes", off_by_one)

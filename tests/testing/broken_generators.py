@@ -64,9 +64,9 @@ class RollsBackWrongRow(MTPBatchGenerator):
     def _step(self) -> list[MTPResponse]:
         original = engine_mod.rollback.drop_row_suffixes
 
-        def shifted(cache: list[Any], drop: list[int], **kw: Any) -> None:
-            if kw.get("skip_recurrent"):  # the main cache's rollback
-                drop = drop[1:] + drop[:1]
+        def shifted(cache: list[Any], drop: Any, **kw: Any) -> None:
+            if kw.get("skip_recurrent"):  # the main cache's rollback (in the graph: a device array)
+                drop = mx.roll(drop, -1) if isinstance(drop, mx.array) else drop[1:] + drop[:1]
             return original(cache, drop, **kw)
 
         engine_mod.rollback.drop_row_suffixes = shifted  # the module global settle calls; restored below
