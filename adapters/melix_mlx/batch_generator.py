@@ -66,7 +66,16 @@ from melix_fsm.report import RowReport, StepReport
 from . import head_receipt, ragged_kv, rollback
 from .batch_rows import InsertRequest, MTPResponse, RowState
 from .batch_surface import BatchSurface
-from .engine import CycleEngine, Flight, PlainStep, RowHead, RowPlan, Settled, SpeculativeFault
+from .engine import (
+    CycleEngine,
+    Flight,
+    PlainStep,
+    RowHead,
+    RowPlan,
+    Settled,
+    SpeculativeFault,
+    run_ahead_default,
+)
 from .prefill import check_prompt, prefill_with_hidden
 from .sampling import normalize_logits, params_of
 from .token_history import TokenHistory
@@ -93,6 +102,7 @@ class MTPBatchGenerator(BatchSurface):
         refusal: str | None = None,
         controller: LiveController | None = None,
         kv_bits: int | None = None,
+        run_ahead: bool | None = None,
     ) -> None:
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
@@ -123,6 +133,8 @@ class MTPBatchGenerator(BatchSurface):
         self._counters = BatchCounters()
         self.row_forwards = 0  # target forwards counted once per row they served
         self.controller = controller
+        # build step n + 1 before step n syncs (melix_mlx.engine.run_ahead_default: on a GPU)
+        self.run_ahead = run_ahead_default() if run_ahead is None else run_ahead
         self.last_report = StepReport()
         self._events: dict[Any, list[Signal]] = {}
         self._emitted: dict[Any, list[int]] = {}
@@ -587,7 +599,7 @@ class MTPBatchGenerator(BatchSurface):
         Not with a queue (admission reshapes the batch), not when a row may reach its
         length limit in step n (it leaves), not with logits processors (they read the
         host's history), and only where rollback runs in the graph."""
-        if self._queue or any(p.processors for p in plans):
+        if not self.run_ahead or self._queue or any(p.processors for p in plans):
             return False
         if any(s.max_tokens - s.num_generated <= p.k + 1 for s, p in zip(states, plans)):
             return False

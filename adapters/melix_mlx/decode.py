@@ -6,18 +6,20 @@ Rules of this module:
   model decides every emitted token; drafts only decide how many come per forward.
 - The cycle itself (drafts, verify, acceptance on the device, head catch-up, rollback
   without replay) is melix_mlx.engine's, shared with the batched generator.
-- Host work overlaps device work as in mlx-lm's `generate_step`: step n + 1 (a cycle or
-  a plain forward) is built on step n's lazy outcome and launched with `mx.async_eval`
-  BEFORE step n is synced, so graph building, the caller's detokenizing and this
-  module's bookkeeping run while the device computes. After a cycle this needs a
-  rollback that runs in the graph: once admitted, the sequence decodes on one-row batch
-  caches (mlx-lm's own `merge`, melix_mlx.ragged_kv) and is handed back in mlx-lm's
-  single-sequence form when the generator ends. Without that (logits processors need
-  the host's token history, quantized KV its host offsets, sliding windows their own
-  cache) a cycle's successor is launched right after its sync, before the yield.
+- Host work overlaps device work as in mlx-lm's `generate_step`: each step (a cycle or a
+  plain forward) is launched with `mx.async_eval` BEFORE the previous step's tokens are
+  yielded, so the caller's detokenizing and this module's bookkeeping run while the
+  device computes. With `run_ahead` (default on a GPU: melix_mlx.engine.run_ahead_default)
+  step n + 1 is also built on step n's lazy outcome before step n is synced. After a
+  cycle that needs a rollback that runs in the graph: the sequence then decodes on
+  one-row batch caches (mlx-lm's own `merge`, melix_mlx.ragged_kv) and is handed back in
+  mlx-lm's single-sequence form when the generator ends. Logits processors (the host's
+  token history), quantized KV (host offsets) and sliding windows (their own cache)
+  never run ahead.
 - A step launched ahead follows the verdict that stood at its launch. If settling the
-  step before it changes the verdict (suspended, resumed, faulted), the ahead step is
-  abandoned (its marks restored) and relaunched: a suspended window never drafts.
+  step before it changes the verdict (suspended, resumed, faulted, a smaller depth),
+  the ahead step is abandoned (its marks restored) and relaunched: a suspended window
+  never drafts.
 - Every draft, verify, accept/rollback, plain step and fault is a transition of the
   sequence's lifecycle machine (melix_fsm.lifecycle), sent when the step's outcome is
   known; its counters are the statistics.
@@ -53,7 +55,7 @@ from melix_fsm.lifecycle import SequenceMachine
 from melix_fsm.reasons import RefusalReason, reason_of, refusal_text
 
 from . import head_receipt, ragged_kv, rollback, window_kv
-from .engine import CycleEngine, Flight, PlainStep, RowHead, RowPlan, SpeculativeFault
+from .engine import CycleEngine, Flight, PlainStep, RowHead, RowPlan, SpeculativeFault, run_ahead_default
 from .prefill import check_prompt, prefill_with_hidden
 from .sampling import SamplingParams, normalize_logits, params_of
 from .token_history import TokenHistory
@@ -89,6 +91,7 @@ class MTPDecoder:
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+        run_ahead: bool | None = None,
     ) -> None:
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
@@ -111,6 +114,8 @@ class MTPDecoder:
         self.controller = controller  # melix_fsm.policy.controller.LiveController, or None: always on
         self._history: TokenHistory | None = None  # prompt and every yielded token (processors only)
         self._last_step_end: float | None = None
+        # build step n + 1 before step n syncs (melix_mlx.engine.run_ahead_default: on a GPU)
+        self.run_ahead = run_ahead_default() if run_ahead is None else run_ahead
         self._single_form: list[Any] | None = None  # the caller's cache list while rows run batch-form
         self._deferred_fault: tuple[SpeculativeFault, int] | None = None  # from a launch ahead
 
@@ -200,7 +205,7 @@ class MTPDecoder:
         the fewest that can remain after it. A fault while building it is recorded after
         `step` settles (the lifecycle sees events in step order).
         """
-        if self.processors or self.kv_bits is not None:
+        if not self.run_ahead or self.processors or self.kv_bits is not None:
             return None  # processors read the host's history; quantization, host offsets
         if isinstance(step, Flight) and not self.engine.may_run_ahead():
             return None
@@ -345,7 +350,7 @@ class MTPDecoder:
         own form and rolls back after each sync.
         """
         cache, head_cache = self.engine.cache, self.engine.head_cache
-        if self.processors or self.kv_bits is not None:
+        if not self.run_ahead or self.processors or self.kv_bits is not None:
             return
         kinds = (KVCache, ArraysCache)
         if not all(type(c) in kinds for c in cache) or not all(type(c) is KVCache for c in head_cache):

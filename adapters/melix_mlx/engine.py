@@ -74,6 +74,17 @@ Sampler = Callable[[mx.array], mx.array]
 PENDING_FLUSH = 32  # plain steps after which pending head pairs are fed to the head
 
 
+def run_ahead_default() -> bool:
+    """Whether decoders build step n + 1 before syncing step n, unless told otherwise.
+
+    On a GPU the host builds while the device computes. On a CPU, mlx's evaluation keeps
+    the host thread dispatching until little work is left, and the building competes with
+    the compute for the same cores: measured slower on this project's CPU benchmarks
+    (BENCHMARKS.md, "Run-ahead"), so it is off there.
+    """
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
 class CallerError(MelixError):
     """A caller's own sampler or logits processor raised inside a cycle.
 
@@ -529,9 +540,10 @@ class CycleEngine:
         bonus = flight.bonus.tolist()
         drop = [flight.K - a for a in accepted]
         if flight.in_graph:  # rolled back in the graph: the host learns how far
-            rollback.count_holes(self.cache, drop)
-            rollback.count_holes(self.head_cache, drop)
-            if not self._in_flight:  # reshaping waits for a moment with nothing in flight
+            last = not self._in_flight  # nothing written since: shared holes end the buffer
+            rollback.count_holes(self.cache, drop, at_tail=last)
+            rollback.count_holes(self.head_cache, drop, at_tail=last)
+            if last:  # reshaping waits for a moment with nothing in flight
                 rollback.compact_if_due(self.cache)
                 rollback.compact_if_due(self.head_cache)
         else:  # recurrent leaves already hold their captured states (selected in the graph)

@@ -83,11 +83,22 @@ class RaggedBatchKVCache(BatchKVCache):
         if self.compaction_due():
             self.compact()
 
-    def count_holes(self, drop: list[int]) -> None:
-        """The host's count of the holes a lazy `drop_rows(array)` made, once synced."""
+    def count_holes(self, drop: list[int], at_tail: bool = False) -> None:
+        """The host's count of the holes a lazy `drop_rows(array)` made, once synced.
+
+        `at_tail`: nothing was written after that rollback, so the holes every row shares
+        end the buffer and are trimmed away instead of kept (a single row keeps none).
+        """
         self.uncounted -= 1
-        if any(drop):
-            self.hole_counts = [c + d for c, d in zip(self._counts(), drop)]
+        common = min(drop, default=0) if at_tail else 0
+        if common:
+            self._idx -= common  # hole entries: the RoPE offsets already exclude them
+            if self.holes is not None:
+                self.holes = self.holes[:, : self._idx]
+        if any(d - common for d in drop):
+            self.hole_counts = [c + d - common for c, d in zip(self._counts(), drop)]
+        if not self.uncounted and not any(self._counts()):
+            self.holes, self.hole_counts = None, None  # no hole left: no mask to apply
 
     def _settled(self, operation: str) -> None:
         """Reshaping needs the host counts: never while a lazy rollback is uncounted."""

@@ -248,11 +248,12 @@ def drop_row_suffixes(
             c.finalize()
 
 
-def count_holes(cache: list[Any], drop: list[int]) -> None:
-    """The host's values of an in-graph `drop_row_suffixes`, once the cycle is synced."""
+def count_holes(cache: list[Any], drop: list[int], *, at_tail: bool = False) -> None:
+    """The host's values of an in-graph `drop_row_suffixes`, once the cycle is synced
+    (`at_tail`: nothing was written since, the rows' common holes are trimmed)."""
     for c in leaves(cache):
         if hasattr(c, "count_holes"):
-            c.count_holes(drop)
+            c.count_holes(drop, at_tail=at_tail)
 
 
 def compaction_due(cache: list[Any]) -> bool:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
     RuleBasedStateMachine,
+    initialize,
     invariant,
     precondition,
     rule,
@@ -83,6 +84,11 @@ def make_machine(family: str) -> type[RuleBasedStateMachine]:
             self.got: dict[int, list[int]] = {}
             self.finished: set[int] = set()
             self.removed: set[int] = set()
+
+        @initialize(run_ahead=st.booleans())
+        def pipeline(self, run_ahead: bool) -> None:
+            """Both step orders: step n + 1 built before step n syncs (the GPU default) or not."""
+            self.gen.run_ahead = run_ahead
 
         @rule(
             target=requests,

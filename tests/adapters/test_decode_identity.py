@@ -19,6 +19,7 @@ from melix_mlx.generate import mtp_generate_step, mtp_stream_generate
 from melix_mlx.tiny import FAMILIES
 from melix_mlx.tiny_tokenizer import VOCAB_SIZE
 from mlx_lm.generate import stream_generate
+from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
 N = 14
@@ -39,6 +40,27 @@ def test_greedy_identity(loaded_heads, family: str, k: int) -> None:
         assert got == want
         assert decoder.stats["faults"] == 0 and decoder.stats["refusal"] is None
         assert decoder.stats["cycles"] > 0  # it speculated, not a plain-decode fallback
+
+    check()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_identity_running_ahead(loaded_heads, family: str) -> None:
+    """Step n + 1 built before step n syncs (the GPU default; forced here): the same tokens,
+    real cycles, and the caller's cache handed back in mlx-lm's single-sequence form
+    holding exactly the prompt and every token but the last."""
+    model, _, head, _ = loaded_heads[family]
+
+    @settings(max_examples=3, deadline=None)
+    @given(prompt=prompts)
+    def check(prompt: list[int]) -> None:
+        cache = make_prompt_cache(model)
+        got, decoder = mtp(model, head, prompt, N, 2, run_ahead=True, prompt_cache=cache)
+        assert got == reference(model, prompt, N)
+        assert decoder.stats["cycles"] > 0 and decoder.stats["faults"] == 0
+        assert all(type(c) in (KVCache, ArraysCache) for c in cache)
+        offsets = {c.offset for c in cache if isinstance(c, KVCache)}
+        assert offsets == {len(prompt) + N - 1}
 
     check()
 

@@ -69,22 +69,24 @@ SCHEDULES = st.lists(st.tuples(st.booleans(), st.integers(1, 3)), min_size=1, ma
 
 @pytest.mark.parametrize("family", ["mimo", "qwen3_5"])
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(schedule=SCHEDULES)
-def test_single_sequence_drafts_only_when_told(loaded_heads, family: str, schedule) -> None:
+@given(schedule=SCHEDULES, run_ahead=st.booleans())
+def test_single_sequence_drafts_only_when_told(loaded_heads, family: str, schedule, run_ahead) -> None:
     model, _, head, _ = loaded_heads[family]
     controller = ScheduledController(schedule)
-    decoder = MTPDecoder(model, head, num_draft_tokens=3, controller=controller)
+    decoder = MTPDecoder(model, head, num_draft_tokens=3, controller=controller, run_ahead=run_ahead)
     tokens = [t for t, _, _ in decoder.generate(mx.array(PROMPTS[0]), N)]
     assert controller.violations == []
     assert tokens == _reference(model, PROMPTS[0])
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(schedule=SCHEDULES)
-def test_batch_drafts_only_when_told(loaded_heads, schedule) -> None:
+@given(schedule=SCHEDULES, run_ahead=st.booleans())
+def test_batch_drafts_only_when_told(loaded_heads, schedule, run_ahead) -> None:
     model, _, head, _ = loaded_heads["mimo"]
     controller = ScheduledController(schedule)
-    gen = MTPBatchGenerator(model, head, num_draft_tokens=3, max_tokens=N, controller=controller)
+    gen = MTPBatchGenerator(
+        model, head, num_draft_tokens=3, max_tokens=N, controller=controller, run_ahead=run_ahead
+    )
     uids = gen.insert(PROMPTS)
     got: dict[int, list[int]] = {u: [] for u in uids}
     while responses := gen.next_generated():
