@@ -31,6 +31,7 @@ Rules of this module:
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import sys
@@ -116,6 +117,7 @@ def regime() -> dict[str, Any]:
     return {
         "device": device_kind(),
         "blas": loaded_blas(read_proc_maps()) if sys.platform.startswith("linux") else "n/a",
+        "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"),
         "platform": platform.platform(),
         "machine": platform.machine(),
         "python": platform.python_version(),

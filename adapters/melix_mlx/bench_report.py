@@ -36,7 +36,8 @@ def _breakdown(c: dict[str, Any]) -> str:
 def table(results: dict[str, Any]) -> str:
     r = results["regime"]
     lines = [
-        f"regime: device={r['device']} blas={r['blas']} dtype={r.get('dtype')} mlx={r['mlx']} "
+        f"regime: device={r['device']} blas={r['blas']} threads={r.get('blas_threads')} "
+        f"dtype={r.get('dtype')} mlx={r['mlx']} "
         f"mlx_lm={r['mlx_lm']}",
     ]
     for k, entry in results.get("calibration", {}).items():
@@ -75,7 +76,8 @@ def markdown(results: dict[str, Any]) -> str:
     """The results as markdown tables (what BENCHMARKS.md quotes)."""
     r = results["regime"]
     out = [
-        f"Regime: device `{r['device']}`, BLAS `{r['blas']}`, dtype `{r.get('dtype')}`, "
+        f"Regime: device `{r['device']}`, BLAS `{r['blas']}` (threads: {r.get('blas_threads')}), "
+        f"dtype `{r.get('dtype')}`, "
         f"mlx {r['mlx']}, mlx-lm {r['mlx_lm']}, {r['machine']}; model `{results['model']}`; "
         f"{results['max_tokens']} tokens per request, median of {results['repeats']} interleaved runs "
         "(spread: min-max of the per-run ratios).",

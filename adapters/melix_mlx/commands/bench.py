@@ -5,6 +5,10 @@ Rules of this module:
   command in a child process with LD_PRELOAD cleared or set to Debian's OpenBLAS (see
   shared design notes: the same CPU is compute-bound with the wheel's reference BLAS and
   bandwidth-bound with OpenBLAS); `both` runs the two children one after the other.
+  OpenBLAS runs one thread (`OPENBLAS_NUM_THREADS=1` unless set): mlx's CPU stream
+  and the Python host thread need the other cores, and with every core oversubscribed
+  a 12-row matmul measured 20x its median now and then (batched verifies hit that size
+  and plain steps do not), which made batched ratios both noisy and biased.
 - Results go to OUT/bench-<regime>.json and .md, a text table to stdout, the plot to OUT/bench.png.
 - mlx is imported inside `run` only. Exit 0 ok, 2 usage error, 3 the model refused MTP.
 """
@@ -59,6 +63,7 @@ def _child(args: argparse.Namespace, regime: str) -> dict[str, Any]:
         if not Path(OPENBLAS).exists():
             raise FileNotFoundError(f"{OPENBLAS} (apt-get install libopenblas0-pthread)")
         env["LD_PRELOAD"] = OPENBLAS
+        env.setdefault("OPENBLAS_NUM_THREADS", "1")
     argv = [sys.executable, "-m", "melix_fsm.cli", "bench", "--regime", "current", "--out", str(args.out)]
     argv += ["--model", str(args.model), "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats)]
     argv += ["--batch-sizes", *map(str, args.batch_sizes), "--ks", *map(str, args.ks)]
