@@ -1,8 +1,7 @@
 """Batched MTP: a drop-in for mlx-lm's `BatchGenerator` where every row drafts and verifies.
-(Over 400 lines: admission, the step and emission share the Batch and the engine; the
-server-facing surface, row records and the cycle itself live in batch_surface.py,
-batch_rows.py and engine.py. Moving prefill out, as mlx-lm splits prompt processing
-from generation, is open work.)
+(Over 400 lines: admission, the step, its run-ahead and emission share the Batch and the
+engine; prompt processing, the server-facing surface, row records and the cycle itself
+live in batch_prompts.py, batch_surface.py, batch_rows.py and engine.py.)
 
 Rules of this module:
 - Same surface as `mlx_lm.generate.BatchGenerator` (0.32): `insert`, `insert_segments`,
@@ -64,21 +63,19 @@ from melix_fsm.reasons import RefusalReason, reason_of, refusal_text
 from melix_fsm.report import RowReport, StepReport
 
 from . import head_receipt, ragged_kv, rollback
+from .batch_prompts import prepare_row
 from .batch_rows import InsertRequest, MTPResponse, RowState
 from .batch_surface import BatchSurface
 from .engine import (
     CycleEngine,
     Flight,
     PlainStep,
-    RowHead,
     RowPlan,
     Settled,
     SpeculativeFault,
     run_ahead_default,
 )
-from .prefill import check_prompt, prefill_with_hidden
-from .sampling import normalize_logits, params_of
-from .token_history import TokenHistory
+from .prefill import check_prompt
 
 
 class MTPBatchGenerator(BatchSurface):
@@ -444,21 +441,33 @@ class MTPBatchGenerator(BatchSurface):
         joining = Batch()
         caches, head_caches, heads, ys, responses = [], [], [], [], []
         tic = time.perf_counter()
+        disabled = getattr(self.controller, "disabled", False)
         for request in ready:
             try:
-                row, cache, head_cache, head = self._prefill(request)
+                prepared = prepare_row(
+                    self.model,
+                    self.head,
+                    self.engine,
+                    request,
+                    refusal=self.refusal,
+                    head_disabled=disabled,
+                    max_kv_size=self.max_kv_size,
+                    prefill_step_size=self.prefill_step_size,
+                )
             except Exception as exc:  # that request only (melix_mlx.batch_surface)
                 self._fail(request, exc)
                 continue
+            row = prepared.state
+            self._first_logprobs[request.uid] = prepared.first_logprobs
             joining.extend([request.uid], payloads=[row])
             resolution = (
                 lc.ADMIT if row.refusal is None else Signal(event=lc.REFUSE.event, reason=row.refusal)
             )
             self._apply_signals("resolve", {request.uid: resolution}, joining)
             self._joined.append(request.uid)
-            caches.append(cache)
-            head_caches.append(head_cache)
-            heads.append(head)
+            caches.append(prepared.cache)
+            head_caches.append(prepared.head_cache)
+            heads.append(prepared.head)
             ys.append(row.y)
             self._counters.prompt_tokens += len(request.prompt)
             total = len(request.all_tokens) + len(request.prompt)
@@ -486,52 +495,6 @@ class MTPBatchGenerator(BatchSurface):
         if finished:
             self._finish(finished, out)
         return responses
-
-    def _prefill(self, request: InsertRequest) -> tuple[RowState, list[Any], list[Any], RowHead]:
-        """Prefill one row alone; prime its head cache from the prompt's pairs."""
-        cache = request.cache or make_prompt_cache(self.model, self.max_kv_size)
-        prompt = mx.array(request.prompt)
-        logits, hiddens = prefill_with_hidden(self.model, prompt, cache, self.prefill_step_size)
-        hiddens, fed = self._whole_prompt(request, hiddens)  # earlier segments included
-        context = request.all_tokens + request.prompt
-        state = RowState(
-            context=context,
-            y=0,
-            sampler=request.sampler,
-            params=params_of(request.sampler),
-            processors=request.processors,
-            max_tokens=request.max_tokens,
-            matcher=request.stop.matcher(),
-            k=request.k,
-            history=TokenHistory(context) if request.processors else None,
-        )
-        logprobs = self._process_first(state, logits)
-        state.y = int(self.engine.agreed(state.sampler(logprobs)).item())  # rank 0's under a group
-        self._first_logprobs[request.uid] = logprobs[0]
-        state.refusal = self.refusal or (
-            None
-            if state.params is not None
-            else refusal_text(
-                RefusalReason.unsupported_sampler, "unknown sampler: its distribution cannot be verified"
-            )
-        )
-        head_cache = self.head.make_cache() if self.head is not None else []
-        head = RowHead()
-        if self.head is not None and not getattr(self.controller, "disabled", False):
-            # Every row's head follows its context (even a refused row's: batch shapes stay
-            # uniform); pairs (h_i, t_{i+1}) of the prompt prime it and draft the first cycle.
-            head = self.engine.prime(head_cache, hiddens, [*fed[1:], state.y], state.params)
-            mx.eval([c.state for c in head_cache], head.draft)
-        mx.eval([c.state for c in cache])
-        return state, cache, head_cache, head
-
-    def _process_first(self, state: RowState, logits: mx.array) -> mx.array:
-        """Processed log-probs [1, V] of a prefill's last position."""
-        if state.history is not None:
-            history = state.history.upto()
-            for processor in state.processors:
-                logits = processor(history, logits)
-        return normalize_logits(logits)
 
     # -- one decode step -------------------------------------------------------------
     def _plans(

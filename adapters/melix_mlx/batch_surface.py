@@ -179,13 +179,6 @@ class BatchSurface:
             self._queue = type(self._queue)(r for r in self._queue if r.uid not in taken)
         return ready
 
-    @staticmethod
-    def _whole_prompt(request: InsertRequest, hiddens: mx.array) -> tuple[mx.array, list[int]]:
-        """Hidden states and tokens of every segment prefilled for this request, in order."""
-        if not request.hiddens:
-            return hiddens, request.prompt
-        return mx.concatenate([*request.hiddens, hiddens], axis=0), request.prefilled + request.prompt
-
     # -- failures --------------------------------------------------------------------
     def _fail(self, request: InsertRequest, exc: BaseException) -> None:
         self._queue = type(self._queue)(r for r in self._queue if r.uid != request.uid)
