@@ -146,20 +146,22 @@ def test_prompt_cache_nbytes_and_stats(loaded: tuple, prompts: list) -> None:
     assert stats.generation_tokens == len(first) + sum(map(len, tokens.values()))
 
 
-def test_a_failing_prefill_drops_only_its_request(loaded: tuple, prompts: list) -> None:
+def test_a_failing_prefill_drops_only_its_request(loaded: tuple, prompts: list, monkeypatch) -> None:
+    import melix_mlx.batch_generator as bg
+
     model, _, head = loaded
     ref = MTPBatchGenerator(model, head, num_draft_tokens=2)
     expected = drain(ref, ref.insert(prompts, max_tokens=[10] * 3))
     gen = MTPBatchGenerator(model, head, num_draft_tokens=2)
     uids = gen.insert(prompts, max_tokens=[10] * 3)
-    prefill = gen._prefill
+    prefill = bg.prepare_row
 
-    def failing(request: Any) -> Any:
+    def failing(model_: Any, head_: Any, engine: Any, request: Any, **kw: Any) -> Any:
         if request.uid == uids[1]:
             raise RuntimeError("injected prefill failure")
-        return prefill(request)
+        return prefill(model_, head_, engine, request, **kw)
 
-    gen._prefill = failing
+    monkeypatch.setattr(bg, "prepare_row", failing)
     with pytest.raises(RequestFailed) as info:
         gen.next()
     assert set(info.value.failures) == {uids[1]}
