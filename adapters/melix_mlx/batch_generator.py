@@ -561,12 +561,15 @@ class MTPBatchGenerator(BatchSurface):
 
         Not with a queue (admission reshapes the batch), not when a row may reach its
         length limit in step n (it leaves), not with logits processors (they read the
-        host's history), and only where rollback runs in the graph."""
-        if not self.run_ahead or self._queue or any(p.processors for p in plans):
+        host's history). After a plain step always (mlx-lm pipelines its plain steps);
+        after a cycle only with `run_ahead` and a rollback that runs in the graph."""
+        if self._queue or any(p.processors for p in plans):
             return False
         if any(s.max_tokens - s.num_generated <= p.k + 1 for s, p in zip(states, plans)):
             return False
-        return self.engine.may_run_ahead()
+        if not any(p.k for p in plans):  # after a plain step nothing waits for the host
+            return True
+        return self.run_ahead and self.engine.may_run_ahead()
 
     def _conclude(
         self, rows: tuple[Row, ...], states: list[RowState], plans: list[RowPlan], settled: Settled

@@ -9,9 +9,10 @@ Rules of this module:
 - Host work overlaps device work as in mlx-lm's `generate_step`: each step (a cycle or a
   plain forward) is launched with `mx.async_eval` BEFORE the previous step's tokens are
   yielded, so the caller's detokenizing and this module's bookkeeping run while the
-  device computes. With `run_ahead` (default on a GPU: melix_mlx.engine.run_ahead_default)
-  step n + 1 is also built on step n's lazy outcome before step n is synced. After a
-  cycle that needs a rollback that runs in the graph: the sequence then decodes on
+  device computes. After a plain step the next step is built on its lazy token before
+  it is synced, exactly as `generate_step` pipelines. After a cycle that happens with
+  `run_ahead` (default on a GPU: melix_mlx.engine.run_ahead_default), and needs a
+  rollback that runs in the graph: the sequence then decodes on
   one-row batch caches (mlx-lm's own `merge`, melix_mlx.ragged_kv) and is handed back in
   mlx-lm's single-sequence form when the generator ends. Logits processors (the host's
   token history), quantized KV (host offsets) and sliding windows (their own cache)
@@ -205,9 +206,10 @@ class MTPDecoder:
         the fewest that can remain after it. A fault while building it is recorded after
         `step` settles (the lifecycle sees events in step order).
         """
-        if not self.run_ahead or self.processors or self.kv_bits is not None:
+        if self.processors or self.kv_bits is not None:
             return None  # processors read the host's history; quantization, host offsets
-        if isinstance(step, Flight) and not self.engine.may_run_ahead():
+        # after a plain step nothing waits for the host: mlx-lm's own pipelining, always
+        if isinstance(step, Flight) and not (self.run_ahead and self.engine.may_run_ahead()):
             return None
         left = remaining - (step.ks[0] + 1 if isinstance(step, Flight) else 1)
         if left <= 0:
