@@ -57,6 +57,8 @@ from melix_fsm.reasons import RefusalReason, reason_of, refusal_text
 
 from . import head_receipt, ragged_kv, rollback, window_kv
 from .engine import CycleEngine, Flight, PlainStep, RowHead, RowPlan, SpeculativeFault, run_ahead_default
+from .errors import check_kv_group
+from .hidden import main_parts
 from .prefill import check_prompt, prefill_with_hidden
 from .sampling import SamplingParams, normalize_logits, params_of
 from .token_history import TokenHistory
@@ -96,6 +98,7 @@ class MTPDecoder:
     ) -> None:
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        check_kv_group(main_parts(model).args, kv_bits, kv_group_size)  # UnsupportedServing
         self.model = model
         self.head = head
         self.k = num_draft_tokens

@@ -81,3 +81,21 @@ class InvalidPrompt(MelixError, ValueError):
     Checked before any forward: an out-of-range id would make mlx read past the
     embedding table (garbage output, or a crash) instead of failing.
     """
+
+
+def check_kv_group(model_args: object, kv_bits: int | None, kv_group_size: int) -> None:
+    """Refuse (typed, before any forward) a quantized KV group size that does not divide
+    the loaded model's attention head dim, which mlx would only report at the first
+    quantizing step. Args that give no head dim are not checked here."""
+    if kv_bits is None:
+        return
+    dim = getattr(model_args, "head_dim", None)
+    hidden, heads = getattr(model_args, "hidden_size", None), getattr(model_args, "num_attention_heads", None)
+    if not isinstance(dim, int) and isinstance(hidden, int) and isinstance(heads, int) and heads:
+        dim = hidden // heads if hidden % heads == 0 else None
+    if isinstance(dim, int) and dim % kv_group_size:
+        raise UnsupportedServing(
+            RefusalReason.unsupported_quantization,
+            f"kv_group_size {kv_group_size} does not divide the attention head dim {dim}; "
+            "mlx quantizes each head's keys and values in groups along it",
+        )

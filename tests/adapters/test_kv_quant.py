@@ -192,3 +192,16 @@ def test_group_size_not_dividing_the_head_dim_is_refused_before_weights(mimo, mo
         assert "kv_group_size 64" in captured.err
     assert main(["generate", "--model", str(path), "--prompt", "x", "--quantized-kv"]) == 3  # default 64
     assert "kv_group_size 64" in capsys.readouterr().err
+
+
+def test_library_decoder_refuses_a_group_size_not_dividing_the_head_dim(mimo) -> None:
+    """The API path too: typed at construction, before any forward (mlx would fail mid-decode)."""
+    from melix_mlx.decode import MTPDecoder
+    from melix_mlx.errors import UnsupportedServing
+
+    _, model, _, head, _ = mimo
+    with pytest.raises(UnsupportedServing) as info:
+        MTPDecoder(model, head, kv_bits=4, kv_group_size=64)
+    assert info.value.reason is RefusalReason.unsupported_quantization
+    assert "head dim 32" in str(info.value)
+    MTPDecoder(model, head, kv_bits=4, kv_group_size=GROUP)  # a dividing group is accepted
