@@ -162,7 +162,11 @@ class ServingBatchGenerator(MTPBatchGenerator):
     def _abandon_batch(self, exc: BaseException) -> None:
         uids = list(self.batch.uids)
         with contextlib.suppress(Exception):  # rows may be mid-cycle; they leave regardless
-            self._apply_signals({uid: Signal(event=lc.FINISH.event, reason=f"error: {exc}") for uid in uids})
+            ended = Signal(event=lc.FINISH.event, reason=f"error: {exc}")
+            self._apply_signals("finish", {uid: ended for uid in uids})
+        if self._ahead is not None:  # a step launched ahead is undone before the rows go
+            with contextlib.suppress(RuntimeError):
+                self.engine.abandon(self._ahead)
         self._ahead = None
         self._filter([])
         for uid in uids:
