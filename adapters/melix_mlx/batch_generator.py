@@ -332,6 +332,8 @@ class MTPBatchGenerator(BatchSurface):
             return
         rows = self.batch.rows
         plans = self._plans(rows, [row.payload for row in rows])
+        if any(p.k for p in plans) and not self.run_ahead:
+            return  # a cycle waits for the next call (measured no gain on a CPU: BENCHMARKS.md)
         step = self._launch(rows, plans)
         if step is not None:
             self._keep_ahead(step, rows, plans)
@@ -567,9 +569,10 @@ class MTPBatchGenerator(BatchSurface):
             return False
         if any(s.max_tokens - s.num_generated <= p.k + 1 for s, p in zip(states, plans)):
             return False
-        if not any(p.k for p in plans):  # after a plain step nothing waits for the host
-            return True
-        return self.run_ahead and self.engine.may_run_ahead()
+        if not self.run_ahead:  # after a plain step, a plain step: mlx-lm's own pipelining
+            following = self._plans(self.batch.rows, states, before=plans)
+            return not any(p.k for p in plans) and not any(p.k for p in following)
+        return not any(p.k for p in plans) or self.engine.may_run_ahead()
 
     def _conclude(
         self, rows: tuple[Row, ...], states: list[RowState], plans: list[RowPlan], settled: Settled
