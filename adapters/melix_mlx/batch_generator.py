@@ -528,8 +528,9 @@ class MTPBatchGenerator(BatchSurface):
             step = self._launch(rows, plans)
             if step is None:
                 return []
-        if self._may_run_ahead(states, plans):  # step n + 1 is built before step n is synced
-            self._launch_ahead(rows, self._plans(rows, states, before=plans))
+        following = self._plans_ahead(states, plans)
+        if following is not None:  # step n + 1 is built before step n is synced
+            self._launch_ahead(rows, following)
         if isinstance(step, Flight):
             try:
                 settled = self.engine.settle(step)
@@ -558,21 +559,24 @@ class MTPBatchGenerator(BatchSurface):
             self._fault_rows([rows[i].uid for i in spec], [plans[i].k for i in spec], fault)
             return None
 
-    def _may_run_ahead(self, states: list[RowState], plans: list[RowPlan]) -> bool:
-        """Whether step n + 1 may be launched before step n settles.
+    def _plans_ahead(self, states: list[RowState], plans: list[RowPlan]) -> list[RowPlan] | None:
+        """The plans of step n + 1 if it may be launched before step n settles, else None.
 
         Not with a queue (admission reshapes the batch), not when a row may reach its
         length limit in step n (it leaves), not with logits processors (they read the
-        host's history). After a plain step always (mlx-lm pipelines its plain steps);
-        after a cycle only with `run_ahead` and a rollback that runs in the graph."""
+        host's history). Without `run_ahead` only a plain step after a plain step (mlx-lm's
+        own pipelining); with it, anything after a plain step, and after a cycle where
+        rollback runs in the graph."""
         if self._queue or any(p.processors for p in plans):
-            return False
+            return None
         if any(s.max_tokens - s.num_generated <= p.k + 1 for s, p in zip(states, plans)):
-            return False
-        if not self.run_ahead:  # after a plain step, a plain step: mlx-lm's own pipelining
-            following = self._plans(self.batch.rows, states, before=plans)
-            return not any(p.k for p in plans) and not any(p.k for p in following)
-        return not any(p.k for p in plans) or self.engine.may_run_ahead()
+            return None
+        following = self._plans(self.batch.rows, states, before=plans)
+        if not self.run_ahead:
+            plain = not any(p.k for p in plans) and not any(p.k for p in following)
+            return following if plain else None
+        ok = not any(p.k for p in plans) or self.engine.may_run_ahead()
+        return following if ok else None
 
     def _conclude(
         self, rows: tuple[Row, ...], states: list[RowState], plans: list[RowPlan], settled: Settled
