@@ -285,7 +285,10 @@ def test_serve_command_usage_errors_exit_2(capsys: pytest.CaptureFixture) -> Non
     assert "not a checkpoint directory" in capsys.readouterr().err
 
 
-def test_serve_command_runs_until_interrupted(tmp_path: Any) -> None:
+@pytest.mark.parametrize("inherited_sigint", ["default", "ignored"])
+def test_serve_command_runs_until_interrupted(tmp_path: Any, inherited_sigint: str) -> None:
+    """SIGINT stops the server with exit 0, also when it was started with SIGINT ignored
+    (how a background job of a non-interactive shell starts: `melix-fsm serve &`)."""
     import os
     import queue
     import signal
@@ -298,7 +301,13 @@ def test_serve_command_runs_until_interrupted(tmp_path: Any) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "adapters")])}
     command = [sys.executable, "-m", "melix_fsm.cli", "serve", "--port", "0", "--device-policy", "force_on"]
     command += ["--num-draft-tokens", "2"]
-    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    def ignore_sigint() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    preexec = ignore_sigint if inherited_sigint == "ignored" else None
+    proc = subprocess.Popen(
+        command, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path, preexec_fn=preexec
+    )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
     try:

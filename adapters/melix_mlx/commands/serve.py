@@ -131,6 +131,9 @@ def run(args: argparse.Namespace) -> int:
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
+    # Both installed explicitly: a process started in the background of a script inherits
+    # SIGINT ignored, and Python then leaves it ignored (Ctrl-C / kill -INT would do nothing).
+    signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
     try:
         server.serve_forever()
