@@ -169,20 +169,26 @@ def install(model: nn.Module) -> int:
     return len(layers)
 
 
-def supported(model: nn.Module, cache: list[Any]) -> bool:
+def captured_count(model: nn.Module) -> int:
+    """How many recurrent layers of `model` capture (a walk of the whole module tree:
+    callers that check every cycle count once and pass it to `supported`)."""
+    return sum(type(m) in CAPTURING.values() for m in _recurrent_layers(model))
+
+
+def supported(model: nn.Module, cache: list[Any], *, captured: int | None = None) -> bool:
     """Whether every recurrent leaf of `cache` is fed by a capturing layer of `model`.
 
     Counts match when each recurrent cache leaf belongs to one installed layer (the
     layer order of mlx-lm's `make_cache`); any recurrent layer we cannot capture means
-    the cache has no exact rollback and is refused.
+    the cache has no exact rollback and is refused. `captured`: `captured_count(model)`
+    if the caller has it.
     """
     from .rollback import leaves
 
-    recurrent = [c for c in leaves(cache) if isinstance(c, ArraysCache)]
+    recurrent = sum(isinstance(c, ArraysCache) for c in leaves(cache))
     if not recurrent:
         return True
-    captured = [m for m in _recurrent_layers(model) if type(m) in CAPTURING.values()]
-    return len(captured) == len(recurrent)
+    return (captured_count(model) if captured is None else captured) == recurrent
 
 
 def arm(cache: list[Any]) -> list[ArraysCache]:

@@ -235,8 +235,9 @@ class CycleEngine:
         self.head = head
         self.cache = cache
         self.head_cache = head_cache
+        self._captured = 0  # recurrent layers that capture (counted once: a tree walk costs ms)
         if head is not None:  # verify-time layer variants; unmarked they are mlx-lm's own
-            capture.install(model)
+            self._captured = capture.install(model)
             absorbed_mla.install(model)
             if isinstance(head, nn.Module):
                 absorbed_mla.install(head)  # the head's catch-up is verify-shaped too
@@ -422,7 +423,8 @@ class CycleEngine:
         self._drafted = True
         inputs = mx.concatenate([self.y[:, None], drafts], axis=1)
         # 2. verify, recording recurrent states per position
-        if rollback.needs_capture(self.cache) and not capture.supported(self.model, self.cache):
+        captured = capture.supported(self.model, self.cache, captured=self._captured)
+        if rollback.needs_capture(self.cache) and not captured:
             raise TypeError("recurrent layers without state capture have no exact rollback")
         armed = capture.arm(self.cache)
         verifying = absorbed_mla.arm(rollback.leaves(self.cache))
