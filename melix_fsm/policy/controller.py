@@ -146,6 +146,9 @@ class LiveController:
         self._probe: Literal["plain", "spec"] | None = None
         self._probe_timed = self._probe_total = 0
         self._timed = False  # has any timed sample arrived? (else: the cost model alone)
+        # the verdict or depth changed at the last update: the next step's period carries the
+        # switch (a step launched ahead under the old verdict, undone or computed early)
+        self._switched = False
         self._last_switch = 0
         self._plain_wait = cfg.plain_probe_every
         self._spec_wait = cfg.probe_after
@@ -292,13 +295,18 @@ class LiveController:
         seconds: the step's wall-clock time (None: the cost model decides alone).
         tokens: tokens the step emitted over all rows (None: accepted + batch_size).
         accepted_per_position: drafts accepted at positions 1..k, summed over rows.
-        exclude: the step overlapped a prefill; count it, do not use its timing.
+        exclude: the step overlapped a prefill; count it, do not use its timing. The step
+        after a verdict or depth change is excluded the same way: decoders build a step
+        before the previous one syncs (mlx-lm's pipelining), so that period carries the
+        switch (a step launched under the old verdict and undone, or two steps' compute
+        where an eager device ran the launched one at once) and would bias the rates.
         """
         self._check(batch_size, accepted, proposed, seconds, tokens, accepted_per_position)
         before = self.speculating
         k_before = self.k
         self.step += 1
         self._batch_size = batch_size
+        exclude = exclude or self._switched
         drafted, timed = self._observe(
             batch_size, accepted, proposed, seconds, tokens, accepted_per_position, exclude, k_before
         )
@@ -312,6 +320,7 @@ class LiveController:
             self.depth.settle(self.step)
         self._share(batch_size)
         after = self.speculating
+        self._switched = after != before or (after and self.k != k_before)
         if after == before:
             return Action.keep
         return Action.resume if after else Action.suspend

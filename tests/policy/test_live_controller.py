@@ -126,7 +126,8 @@ def test_any_slower_workload_is_suspended_within_a_bounded_number_of_steps(slowd
 def test_faster_stays_on_with_only_sparse_plain_probes():
     ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2)
     history = run(FAST, ctrl, 3000)
-    assert ctrl.speculating and ctrl.counters.suspend_decisions == 0
+    # on: speculating, or inside one of its short plain probes (not a suspension)
+    assert ctrl.state in ("on", "plain_probe") and ctrl.counters.suspend_decisions == 0
     assert spec_share(history) > 0.97  # plain probes back off: 8 steps at 16, 144, 400, ...
     passed = [e for e in ctrl.events if e.reason == LiveReason.measured_faster]
     assert passed and all(e.measured_speedup > 1.03 for e in passed)
@@ -170,6 +171,27 @@ def test_a_phase_change_is_followed_both_ways():
     assert spec_share(history[-500:]) > 0.95
 
 
+def test_the_step_after_a_switch_is_counted_but_its_timing_is_not_a_sample():
+    """A decoder builds step n + 1 before step n syncs, so the period of the first step
+    after a verdict changes carries the switch (a step built under the old verdict, or
+    two steps' compute). Were it a sample, one such period could decide a probe."""
+    ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2)
+    while ctrl.state != "plain_probe":
+        FAST.step(ctrl)
+    excluded = ctrl.counters.steps_excluded
+    # the first plain period after the switch, absurdly short: plain would look 1000x faster
+    ctrl.update(1, seconds=FAST.plain_s / 1000, tokens=1)
+    assert ctrl.counters.steps_excluded == excluded + 1 and ctrl.plain.n == 0
+    while ctrl.state == "plain_probe":
+        FAST.step(ctrl)
+    assert ctrl.speculating and ctrl.counters.suspend_decisions == 0
+    assert ctrl.events[-1].reason == LiveReason.measured_faster
+    # and the first cycle after resuming is not a sample either
+    before = ctrl.depth.rates[2].n
+    FAST.step(ctrl)
+    assert ctrl.depth.rates[2].n == before and ctrl.counters.steps_excluded == excluded + 2
+
+
 # ---- hysteresis ------------------------------------------------------------------------------
 
 
@@ -179,17 +201,17 @@ def _switches(ctrl: LiveController) -> int:
 
 def test_no_flapping_when_both_paths_measure_the_same_under_noise():
     """Speculation measures exactly plain's speed (inside the band), each step's time
-    +-3% and its token count varying by ~47%: over 40 seeded runs of 2000 steps a
-    verdict is a fluke at most twice in a run, and in most runs never."""
+    +-3% and its token count varying by ~47%: over 200 seeded runs of 2000 steps a
+    verdict is a fluke at most twice in a run, and in at least 90% of runs never."""
     switches = []
-    for seed in range(20):
+    for seed in range(100):
         for start_on in (True, False):
             world = World(keep=0.5, noise=0.03, seed=seed)
             world.cycle_s = lambda k: 1.75  # E = 1.75 tokens at k = 2: speedup 1.0
             ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2, active=start_on)
             run(world, ctrl, 2000)
             switches.append(_switches(ctrl))
-    assert max(switches) <= 2 and sum(s > 0 for s in switches) <= 4
+    assert max(switches) <= 2 and sum(s > 0 for s in switches) <= len(switches) // 10
 
 
 @settings(max_examples=40, deadline=None)
