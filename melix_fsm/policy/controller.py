@@ -524,7 +524,14 @@ class LiveController:
             self._plain_wait = min(cfg.probe_max_after, math.ceil(self._plain_wait * cfg.probe_backoff))
             self._next_plain_probe = self.step + self._plain_wait
             self._record(Action.resume, LiveReason.measured_faster, batch_size, est)
-        else:  # inside the noise: speculation stays on (hysteresis), same wait
+        elif est.speedup is not None and est.speedup < 1.0:
+            # inside the noise but not faster: plain wins the tie (it cannot lose to plain);
+            # resuming then needs a speculative probe that is clearly faster
+            self._switch(False)
+            self.counters.suspend_decisions += 1
+            self._next_spec_probe = self.step + self._spec_wait
+            self._record(Action.keep, LiveReason.measured_not_faster, batch_size, est)
+        else:  # inside the noise, at or above 1: speculation stays on (hysteresis), same wait
             self._next_plain_probe = self.step + self._plain_wait
             self._record(Action.resume, LiveReason.measured_tie, batch_size, est)
 

@@ -36,7 +36,8 @@ class LiveReason(enum.StrEnum):
     not_measured = "not_measured"  # auto without a calibration: disabled
     measured_slower = "measured_slower"  # speculative tokens/s measured below plain
     measured_faster = "measured_faster"  # a plain probe measured slower than speculation
-    measured_tie = "measured_tie"  # no difference beyond the noise: the current state stays
+    measured_tie = "measured_tie"  # no difference beyond the noise, speculation not slower: it stays on
+    measured_not_faster = "measured_not_faster"  # a tie below 1: plain wins ties (suspended)
     plain_probe = "plain_probe"  # a plain window starts, to measure plain tokens/s live
     probe = "probe"  # a speculative window starts while suspended
     probe_passed = "probe_passed"  # the speculative probe measured faster: stay on
