@@ -17,7 +17,9 @@ Rules of this module:
   auto / max(plain, forced on) per repeat.
 - Ideal: E[tokens per cycle] / ((t_verify + k t_head) / t_1) from this run's calibrated
   timings and the cell's measured per-position acceptance; efficiency = measured ratio /
-  ideal. The per-cycle breakdown puts the calibrated verify and head times beside the
+  ideal. Each batch size is calibrated at the context its cells' caches hold mid-run
+  (a batch is left-padded to its longest prompt, plus half the generated tokens).
+  The per-cycle breakdown puts the calibrated verify and head times beside the
   engine's measured host times (graph build, dispatch, sync wait, rollback, caller's
   bookkeeping) and the host time no device work covered: cycle - (t_verify + k t_head).
 - Prompts are held-out text per workload (melix_mlx.workloads) or the user's
@@ -184,18 +186,30 @@ class Bench:
         self.prompts = [tokenizer.encode(p.text) for p in self.workload_prompts]
         self.timings: dict[int, TimingTable] = {}
 
+    def context(self, batch_size: int) -> int:
+        """Tokens the cell's cache holds mid-run: attention costs grow with it. A batch's
+        rows are left-padded to its longest prompt, so a batch is priced at that length
+        (single-sequence cells run each prompt: their median)."""
+        if batch_size == 1:
+            prompt = int(_median(len(p) for p in self.prompts))
+        else:
+            prompt = max(len(p) for p in self._prompts(batch_size))
+        return prompt + self.max_tokens // 2
+
     def calibrate(self, batch_sizes: Sequence[int], ks: Sequence[int]) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        context = int(_median(len(p) for p in self.prompts))  # attention costs grow with it
         for k in ks:
-            table = calibrate(
-                self.model, self.head, batch_sizes=tuple(batch_sizes), k=k, runs=9, context=context
-            )
-            if isinstance(table, TimingTable):
+            tables = [
+                calibrate(self.model, self.head, batch_sizes=(b,), k=k, runs=9, context=self.context(b))
+                for b in batch_sizes
+            ]
+            failed = next((t for t in tables if not isinstance(t, TimingTable)), None)
+            if failed is None:
+                table = TimingTable.of(*(e for t in tables for e in t.entries))
                 self.timings[k] = table
                 out[str(k)] = [msgspec_builtins(t) for t in table.entries]
             else:
-                out[str(k)] = {"error": table.reason, "detail": str(table)}
+                out[str(k)] = {"error": failed.reason, "detail": str(failed)}
         return out
 
     def _prompts(self, batch_size: int) -> list[list[int]]:
