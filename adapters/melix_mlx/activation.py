@@ -3,8 +3,10 @@
 Rules of this module:
 - Runs after the weights are loaded and before any prompt is served (timings taken beside
   a prefill would poison the decision). Under `auto` it calibrates at the batch size
-  that will be served (at the deepest depth `num_draft_tokens = "auto"` may choose);
-  `force_on` / `force_off` skip the measurement and are recorded as operator overrides.
+  that will be served (at the deepest depth `num_draft_tokens = "auto"` may choose) and
+  at the context the run's caches will hold when the caller knows it (`generate`: the
+  longest prompt plus half the tokens to generate); `force_on` / `force_off` skip the
+  measurement and are recorded as operator overrides.
 - Every start gets a `LiveController` (melix_fsm.policy.controller), and the decoders consult it
   every step. The calibration is only its prior: the gate in the receipt is the first
   decision, then the controller compares measured speculative and plain tokens/s live.
@@ -36,7 +38,9 @@ from melix_fsm.policy.live_types import Decision, LiveConfig
 from melix_fsm.policy.telemetry import detect
 from melix_fsm.receipt import Receipt, with_hardware
 
-from .calibrate import calibrate, device_kind, model_dtype
+from .calibrate import PROMPT_LEN, calibrate, device_kind, model_dtype
+
+MAX_CONTEXT = 2048  # the longest context calibration prefills (B rows of it, within the budget)
 
 
 @dataclass
@@ -62,11 +66,15 @@ def evaluate(
     replay_on_reject: bool | None = None,
     live: LiveConfig | None = None,
     group: Any = None,
+    context: int | None = None,
 ) -> Activation:
     """Measure (under auto), decide, and return the updated receipt and the controller.
 
     replay_on_reject: whether the decoder re-runs kept tokens after a rejection on
     recurrent caches (None: `replays_on_reject(model)`). group: an mx.distributed group.
+    context: tokens the run's caches will hold (e.g. the longest prompt plus half the
+    tokens to generate): attention costs grow with it, so the prior prices the run's own
+    forwards. Capped at MAX_CONTEXT (the budget prefills it B times); None: a short prompt.
     """
     if group is None:  # a model sharded by melix_mlx.distributed carries its group
         from .distributed import group_of
@@ -82,7 +90,10 @@ def evaluate(
     table: TimingTable | None = None
     measured: Any = None
     if policy is Policy.auto:
-        result = calibrate(model, head, batch_sizes=(batch_size,), k=max_k, budget_s=budget_s, group=group)
+        tokens = PROMPT_LEN if context is None else max(PROMPT_LEN, min(context, MAX_CONTEXT))
+        result = calibrate(
+            model, head, batch_sizes=(batch_size,), k=max_k, budget_s=budget_s, group=group, context=tokens
+        )
         if isinstance(result, TimingTable):
             table = result
         measured = result  # a TimingTable, or the typed CalibrationError the controller disables on

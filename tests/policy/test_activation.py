@@ -148,3 +148,22 @@ def test_replay_is_priced_only_where_the_engine_replays(loaded, tmp_path):
     assert replays_on_reject(model) is False  # attention only: KV caches trim
     hybrid = load_with_heads(make_tiny("qwen3_5", tmp_path / "qwen3_5"))[0]
     assert replays_on_reject(hybrid) is False  # gated-delta layers are captured in the verify
+
+
+@pytest.mark.parametrize("context, timed_at", [(None, 16), (700, 700), (10, 16), (10**6, 2048)])
+def test_calibration_is_priced_at_the_runs_context(tiny, loaded, monkeypatch, context, timed_at):
+    """Attention grows with the cache: the prior times the forwards at the context the run
+    will hold (bounded: calibration prefills it once per row), a short prompt by default."""
+    from melix_mlx import activation
+
+    seen = []
+
+    def fake(*a, k, context, **kw):
+        seen.append(context)
+        return _table(1.0e-3, k)
+
+    monkeypatch.setattr(activation, "calibrate", fake)
+    model, _, head, _ = loaded
+    config = speculative_config()
+    activation.evaluate(model, head, resolve(tiny, config), config, context=context)
+    assert seen == [timed_at]

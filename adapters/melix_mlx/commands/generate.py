@@ -277,7 +277,10 @@ def run(args: argparse.Namespace) -> int:
         # measured after loading, before serving: the receipt gains the hardware gate
         from melix_mlx.activation import evaluate
 
-        activation = evaluate(model, head, receipt, config, batch_size=len(prompts))
+        # priced at the context the run will hold: a batch is left-padded to its longest prompt
+        longest = max(len(tokenizer.encode(p)) for p in prompts)
+        context = longest + args.max_tokens // 2
+        activation = evaluate(model, head, receipt, config, batch_size=len(prompts), context=context)
         receipt_data = json.loads(receipt_json(activation.receipt))
         controller = activation.controller
         if not activation.decision.speculate:
