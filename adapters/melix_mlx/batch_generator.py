@@ -571,12 +571,13 @@ class MTPBatchGenerator(BatchSurface):
             return None
         if any(s.max_tokens - s.num_generated <= p.k + 1 for s, p in zip(states, plans)):
             return None
+        cycle = any(p.k for p in plans)
+        if cycle and not (self.run_ahead and self.engine.may_run_ahead()):
+            return None  # checked before the plans are built: every CPU cycle passes here
         following = self._plans(self.batch.rows, states, before=plans)
-        if not self.run_ahead:
-            plain = not any(p.k for p in plans) and not any(p.k for p in following)
-            return following if plain else None
-        ok = not any(p.k for p in plans) or self.engine.may_run_ahead()
-        return following if ok else None
+        if not self.run_ahead and any(p.k for p in following):
+            return None
+        return following
 
     def _conclude(
         self, rows: tuple[Row, ...], states: list[RowState], plans: list[RowPlan], settled: Settled
