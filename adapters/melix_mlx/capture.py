@@ -212,17 +212,28 @@ def collect(armed: list[ArraysCache]) -> list[list[tuple[mx.array, mx.array]]]:
 
 
 def select(armed: list[ArraysCache], steps: list[list[tuple[mx.array, mx.array]]], keep: mx.array) -> None:
-    """Set each leaf to its state after keep[b] positions, per row b (keep >= 1, lazy ok)."""
+    """Set each leaf to its state after keep[b] positions, per row b (keep >= 1, lazy ok).
+
+    A chain of `mx.where` over the recorded positions, with one row mask per position
+    built once for all leaves: stacking every position's state and gathering along it
+    (the obvious form) copies S full states per leaf and cost ~5x more per cycle at
+    batch 4 on the hybrid layout.
+    """
+    index = keep.astype(mx.int32) - 1
+    row_masks: dict[tuple[int, int], mx.array] = {}  # (position, ndim) -> [B, 1, ...] mask
+
+    def row_mask(position: int, ndim: int) -> mx.array:
+        key = (position, ndim)
+        if key not in row_masks:
+            row_masks[key] = (index == position).reshape((-1,) + (1,) * (ndim - 1))
+        return row_masks[key]
+
     for c, recorded in zip(armed, steps):
         if not recorded:
             continue
-        if len(recorded) == 1:
-            c.cache = [recorded[0][0], recorded[0][1]]
-            continue
-        index = keep.astype(mx.int32) - 1
-        chosen = []
-        for part in range(2):
-            stacked = mx.stack([s[part] for s in recorded], axis=1)  # [B, S, ...]
-            idx = index.reshape((-1,) + (1,) * (stacked.ndim - 1))
-            chosen.append(mx.take_along_axis(stacked, idx, axis=1)[:, 0])
+        chosen = list(recorded[0])
+        for position in range(1, len(recorded)):
+            for part in range(2):
+                value = recorded[position][part]
+                chosen[part] = mx.where(row_mask(position, value.ndim), value, chosen[part])
         c.cache = chosen
