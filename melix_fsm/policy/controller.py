@@ -157,7 +157,7 @@ class LiveController:
         # A probe costs what the losing side loses over its window; on a short run that
         # is a visible share. Probe early only where the prior is in doubt.
         hopeless = self.table is not None and self._perfect_speedup(batch_size) < cfg.resume_above
-        self._next_spec_probe = cfg.doubtful_probe_after if hopeless else cfg.first_probe_after
+        self._next_spec_probe = cfg.doubtful_probe_after if hopeless else cfg.first_spec_probe_after
         self._shared: Decision | None = None
         if self.disabled_reason is not None:
             self._record(Action.suspend, self.disabled_reason, batch_size)
@@ -544,7 +544,11 @@ class LiveController:
         est = self.estimate(batch_size)
         usable = est.source in ("measured", "measured_spec") if self._timed else est.source == "model"
         passed = usable and self._above(est, cfg.resume_above)
-        verdict = passed or (usable and self._below(est, cfg.resume_above))
+        # plain wins ties: a probe that does not even measure faster than plain (point
+        # estimate below 1) fails at its first look instead of measuring on; only one
+        # inside the noise above 1 keeps measuring, up to probe_max_steps
+        not_faster = usable and est.speedup is not None and est.speedup < 1.0
+        verdict = passed or not_faster or (usable and self._below(est, cfg.resume_above))
         if not at_max and not (verdict and self._probe_total % cfg.every == 0):
             # neither clearly faster nor clearly not: measure on, up to probe_max_steps
             # (looking every few steps, not every step: each look is a chance of a fluke)

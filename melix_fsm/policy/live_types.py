@@ -61,9 +61,12 @@ class LiveConfig(msgspec.Struct, frozen=True, kw_only=True):
     suspend_below: float = 0.97  # suspend when measured speedup falls below this
     resume_above: float = 1.03  # resume only above this
     min_dwell: int = 16  # steps after a policy switch before the next one
-    first_probe_after: int = 16  # steps before the first probe of the unmeasured side, except:
+    first_probe_after: int = 16  # steps before the first plain probe of a start the prior admitted, except:
     defer_plain_above: float = 1.25  # speculation clearly beats the calibrated plain: first plain probe later
-    doubtful_probe_after: int = 256  # the calibration says not even perfect acceptance pays
+    # steps before the first speculative probe of a start the prior disabled: the prior is
+    # evidence, and a probe that loses costs a visible share of a short run
+    first_spec_probe_after: int = 64
+    doubtful_probe_after: int = 256  # ... or 256 where not even perfect acceptance pays
     plain_probe_every: int = 128  # steps between plain probes while speculating ...
     probe_after: int = 64  # ... and between speculative probes while suspended
     probe_steps: int = 8  # timed steps in one probe window, at least ...
@@ -78,8 +81,8 @@ class LiveConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise PolicyError("live controller: decay in (0, 1), acceptance_decay and alpha in (0, 1]")
         if not self.suspend_below < self.resume_above:
             raise PolicyError("live controller: suspend_below must be below resume_above (the hysteresis)")
-        small = (self.min_samples, self.every, self.first_probe_after, self.plain_probe_every)
-        if min(*small, self.probe_after, self.probe_steps) < 1 or self.min_dwell < 0:
+        small = (self.min_samples, self.every, self.first_probe_after, self.first_spec_probe_after)
+        if min(*small, self.plain_probe_every, self.probe_after, self.probe_steps) < 1 or self.min_dwell < 0:
             raise PolicyError("live controller: step counts must be >= 1 (min_dwell >= 0)")
         if self.probe_max_steps < self.probe_steps or self.min_samples > self.probe_steps:
             raise PolicyError("live controller: probe_max_steps >= probe_steps >= min_samples")

@@ -28,6 +28,8 @@ FAST = World(cycle_s=lambda k: 1.1 + 0.05 * k)  # ~1.6-2x
 # First verdict on a wrong prior: the first probe starts at first_probe_after, runs at
 # most probe_max_steps, and its end decides.
 FIRST_VERDICT = CFG.first_probe_after + CFG.probe_max_steps
+# ... and on a start the prior disabled, the first speculative probe waits longer.
+FIRST_SPEC_VERDICT = CFG.first_spec_probe_after + CFG.probe_max_steps
 
 
 def spec_share(history) -> float:
@@ -138,10 +140,46 @@ def test_faster_stays_on_with_only_sparse_plain_probes():
 def test_faster_gets_on_even_if_the_prior_disabled_it():
     ctrl = LiveController(DISABLING, prior=PRIOR, depth=1)
     assert not ctrl.speculating and ctrl.events[0].reason == LiveReason.prior_disabled
-    run(FAST, ctrl, FIRST_VERDICT)
+    run(FAST, ctrl, FIRST_SPEC_VERDICT)
     assert ctrl.speculating and ctrl.counters.probes_passed == 1
     history = run(FAST, ctrl, 2000)
     assert spec_share(history) > 0.97 and ctrl.counters.suspend_decisions == 0
+
+
+def test_a_disabled_start_trusts_its_prior_through_a_short_run():
+    """A probe that loses costs a visible share of a short run, so a start the prior
+    disabled drafts nothing for `first_spec_probe_after` steps, even where it would win."""
+    ctrl = LiveController(DISABLING, prior=PRIOR, depth=1)
+    history = run(FAST, ctrl, CFG.first_spec_probe_after - 1)
+    assert spec_share(history) == 0.0 and ctrl.counters.probes == 0
+    FAST.step(ctrl)
+    assert ctrl.state == "spec_probe" and ctrl.counters.probes == 1
+
+
+def _first_probe(speedup: float, seed: int) -> tuple[int, str]:
+    """(drafting steps, verdict) of the first speculative probe of a disabled start that
+    truly runs at `speedup` (k = 1, acceptance 0.5: E = 1.5 tokens a cycle)."""
+    world = World(keep=0.5, noise=0.03, seed=seed)
+    world.cycle_s = lambda k: 1.5 / speedup
+    ctrl = LiveController(DISABLING, prior=PRIOR, depth=1)
+    drafted = 0
+    while ctrl.counters.probes == 0 or ctrl.state == "spec_probe":
+        drafted += world.step(ctrl)[1]
+    return drafted, ctrl.events[-1].reason
+
+
+def test_a_probe_that_measures_no_faster_ends_at_its_first_look():
+    """Plain wins ties: a speculative probe whose point estimate is below 1 fails at its
+    first look (8 timed steps, looked at on a multiple of `every`: 12 drafting steps)
+    instead of measuring on to `probe_max_steps`. Before this rule, at 0.9x the median
+    probe drafted 32 steps and 17 of 50 ran to 48. A truly faster workload (1.2x, inside
+    the noise of a short window) still passes in most runs: 40 of these 50, 34 before."""
+    slower = [_first_probe(0.9, seed) for seed in range(50)]
+    lengths = sorted(n for n, _ in slower)
+    assert lengths[len(lengths) // 2] <= 12 and lengths.count(CFG.probe_max_steps) <= 3
+    assert sum(r == LiveReason.probe_failed for _, r in slower) >= 45
+    faster = [_first_probe(1.2, seed) for seed in range(50)]
+    assert sum(r == LiveReason.probe_passed for _, r in faster) >= 35
 
 
 def test_probes_cost_little_where_the_prior_is_sure():
