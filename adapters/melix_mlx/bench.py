@@ -22,6 +22,9 @@ Rules of this module:
   The per-cycle breakdown puts the calibrated verify and head times beside the
   engine's measured host times (graph build, dispatch, sync wait, rollback, caller's
   bookkeeping) and the host time no device work covered: cycle - (t_verify + k t_head).
+- Fill (batch cells): row-steps over verify forwards x B in the forced-on runs. A fixed
+  batch runs until its slowest row is done, so rows that finish early leave slots idle;
+  the ideal assumes every slot works, and 1 - fill is how much of it the tail took.
 - Prompts are held-out text per workload (melix_mlx.workloads) or the user's
   (`--prompts FILE`); acceptance is reported per workload and draft position.
 - Throughput is generation tokens over generation time, prompt processing excluded, read
@@ -86,6 +89,7 @@ class Cell:
     baseline_peak_memory_gb: float = 0.0
     ideal_ratio: float | None = None
     efficiency: float | None = None  # ratio / ideal_ratio
+    batch_fill: float | None = None  # busy rows per verify forward / B (forced on; batch cells)
     breakdown_ms: dict[str, float] = field(default_factory=dict)  # per cycle
     auto_tps: float | None = None  # device policy auto (live controller), same cell
     auto_over_plain: float | None = None
@@ -251,6 +255,7 @@ class Bench:
         auto: list[float] = []
         auto_depth: list[float] = []
         auto_share: list[float] = []
+        fills: list[float] = []
         depth_k = None
 
         def mtp(controller: Any = None, cycle_clock: CycleClock | None = None) -> tuple[float, float, Any]:
@@ -292,8 +297,10 @@ class Bench:
             cell.peak_memory_gb = max(cell.peak_memory_gb, m_mem)
             cell.baseline_peak_memory_gb = max(cell.baseline_peak_memory_gb, b_mem)
             cell.target_forwards_per_token = stats["row_forwards"] / max(stats["emitted"], 1)
+            fills.append(stats["row_forwards"] / max(stats["target_forwards"] * batch_size, 1))
             cell.replay_forwards += stats["replay_forwards"]
             self.progress(1)
+        cell.batch_fill = _median(fills)
         self._finish(cell, spec_stats, clock)
         self._auto(cell, auto, auto_share, auto_depth, depth_k)
         return cell

@@ -50,13 +50,13 @@ def table(results: dict[str, Any]) -> str:
         )
     lines.append(
         f"{'path':6} {'B':>2} {'k':>2} {'T':>4} {'tok/s':>7} {'base':>7} {'ratio':>6} {'spread':>9} "
-        f"{'ideal':>6} {'eff':>5} {'acc':>5} {'auto':>5} {'a/best':>6} {'adepth':>6}  cycle ms"
+        f"{'ideal':>6} {'eff':>5} {'fill':>5} {'acc':>5} {'auto':>5} {'a/best':>6} {'adepth':>6}  cycle ms"
     )
     for c in results["cells"]:
         lines.append(
             f"{c['path']:6} {c['batch_size']:>2} {c['k']:>2} {c['temp']:>4.1f} {c['tps']:>7.1f} "
             f"{c['baseline_tps']:>7.1f} {c['ratio']:>6.2f} {_spread(c):>9} {_fmt(c['ideal_ratio']):>6} "
-            f"{_fmt(c['efficiency']):>5} {_fmt(c['acceptance_rate']):>5} "
+            f"{_fmt(c['efficiency']):>5} {_fmt(c.get('batch_fill')):>5} {_fmt(c['acceptance_rate']):>5} "
             f"{_fmt(c.get('auto_over_plain')):>5} {_fmt(c.get('auto_over_best')):>6} "
             f"{_fmt(c.get('auto_depth_over_plain')):>6}  {_breakdown(c)}"
         )
@@ -107,9 +107,9 @@ def markdown(results: dict[str, Any]) -> str:
             )
     out += [
         "",
-        "| path | B | k | T | tok/s | baseline | ratio | spread | ideal | efficiency | accept | auto/plain "
-        "| auto/best | auto depth/plain (k) | cycle ms: verify + head + not overlapped |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| path | B | k | T | tok/s | baseline | ratio | spread | ideal | efficiency | fill | accept "
+        "| auto/plain | auto/best | auto depth/plain (k) | cycle ms: verify + head + not overlapped |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in results["cells"]:
         depth = _fmt(c.get("auto_depth_over_plain"))
@@ -118,7 +118,8 @@ def markdown(results: dict[str, Any]) -> str:
         out.append(
             f"| {c['path']} | {c['batch_size']} | {c['k']} | {c['temp']:.1f} | {c['tps']:.0f} "
             f"| {c['baseline_tps']:.0f} | **{c['ratio']:.2f}** | {_spread(c)} | {_fmt(c['ideal_ratio'])} "
-            f"| {_fmt(c['efficiency'])} | {_fmt(c['acceptance_rate'])} | {_fmt(c.get('auto_over_plain'))} "
+            f"| {_fmt(c['efficiency'])} | {_fmt(c.get('batch_fill'))} | {_fmt(c['acceptance_rate'])} "
+            f"| {_fmt(c.get('auto_over_plain'))} "
             f"| {_fmt(c.get('auto_over_best'))} | {depth} | {_breakdown(c)} |"
         )
     for d in results.get("draft_cells", []):
@@ -128,7 +129,7 @@ def markdown(results: dict[str, Any]) -> str:
             continue
         out.append(
             f"| draft model (mlx-lm) | 1 | {d['k']} | {d['temp']:.1f} | {d['tps']:.0f} "
-            f"| {d['baseline_tps']:.0f} | **{d['ratio']:.2f}** | - | - | - | - | - | - | - | - |"
+            f"| {d['baseline_tps']:.0f} | **{d['ratio']:.2f}** | - | - | - | - | - | - | - | - | - |"
         )
     return "\n".join(out)
 
