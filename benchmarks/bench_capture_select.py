@@ -17,11 +17,10 @@ import statistics
 import time
 
 import mlx.core as mx
-from mlx_lm import load
-from mlx_lm.models.cache import make_prompt_cache
-
 from melix_mlx import capture
 from melix_mlx.checkpoints import resolve_model
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
 
 
 def stacked_gather(armed, steps, keep: mx.array) -> None:
