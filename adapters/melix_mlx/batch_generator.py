@@ -293,6 +293,8 @@ class MTPBatchGenerator(BatchSurface):
             self._check_ahead()
             prompt_responses = self._prefill_segments()
             prompt_responses += self._admit(generation)
+            if prompt_responses and self.engine.clock is not None:
+                self.engine.clock.interrupt()  # a prefill ran: not bookkeeping of the cycle
             if self._joined:
                 self._admitted_since = True  # the next period includes this prefill
             self._launch_next()

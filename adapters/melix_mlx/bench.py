@@ -25,6 +25,12 @@ Rules of this module:
 - Fill (batch cells): row-steps over verify forwards x B in the forced-on runs. A fixed
   batch runs until its slowest row is done, so rows that finish early leave slots idle;
   the ideal assumes every slot works, and 1 - fill is how much of it the tail took.
+- Batch cells run a fixed batch by default: B requests, all inserted at once, each
+  generating max_tokens. With `requests_per_slot` N > 1 they run continuous batching
+  instead: B x N requests queued to generators capped at B rows, so a finished row is
+  replaced from the queue (what a server does) and the tail of rows that finish at
+  different steps is paid once per cell, not once per B requests. Both generators get
+  the same cap and queue.
 - Prompts are held-out text per workload (melix_mlx.workloads) or the user's
   (`--prompts FILE`); acceptance is reported per workload and draft position.
 - Throughput is generation tokens over generation time, prompt processing excluded, read
@@ -175,6 +181,7 @@ class Bench:
         draft_model: nn.Module | None = None,
         max_tokens: int = 64,
         repeats: int = 3,
+        requests_per_slot: int = 1,
         prompts: Sequence[Prompt] = (),
         progress: Callable[[int], None] | None = None,
     ) -> None:
@@ -185,6 +192,7 @@ class Bench:
         self.draft_model = draft_model
         self.max_tokens = max_tokens
         self.repeats = repeats
+        self.requests_per_slot = requests_per_slot
         self.progress = progress or (lambda n: None)
         self.workload_prompts = list(prompts)
         self.prompts = [tokenizer.encode(p.text) for p in self.workload_prompts]
@@ -219,6 +227,11 @@ class Bench:
     def _prompts(self, batch_size: int) -> list[list[int]]:
         return [self.prompts[i % len(self.prompts)] for i in range(batch_size)]
 
+    def _slots(self, batch_size: int) -> dict[str, int]:
+        """Both generators' row cap: the cell's batch size (prefill in chunks of at most 8,
+        mlx-lm's default), so queued requests wait for a free row."""
+        return {"completion_batch_size": batch_size, "prefill_batch_size": min(batch_size, 8)}
+
     # -- the auto policy, as `generate --device-policy auto` runs it ------------------
     def _decision(self, k: int, batch_size: int) -> Any:
         table = self.timings.get(k)
@@ -249,7 +262,7 @@ class Bench:
     # -- cells ----------------------------------------------------------------------------
     def batch_cell(self, batch_size: int, k: int, temp: float, deepest: bool = False) -> Cell:
         cell = Cell("batch", batch_size, k, temp)
-        prompts = self._prompts(batch_size)
+        prompts = self._prompts(batch_size * self.requests_per_slot)
         spec_stats = None
         clock = CycleClock()
         auto: list[float] = []
@@ -266,6 +279,7 @@ class Bench:
                 max_tokens=self.max_tokens,
                 sampler=_sampler(temp, True),
                 controller=controller,
+                **self._slots(batch_size),
             )
             run_clock = CycleClock()
             gen.engine.clock = run_clock
@@ -276,7 +290,8 @@ class Bench:
 
         for r in range(self.repeats):
             mx.random.seed(r)
-            base = BatchGenerator(self.model, max_tokens=self.max_tokens, sampler=_sampler(temp, False))
+            slots, sampler = self._slots(batch_size), _sampler(temp, False)
+            base = BatchGenerator(self.model, max_tokens=self.max_tokens, sampler=sampler, **slots)
             b_tps, b_mem, _ = _run_batch(base, prompts, self.max_tokens)
             base.close()
             mx.random.seed(r)
@@ -499,6 +514,7 @@ def run(
     repeats: int,
     show_progress: bool = True,
     prompts: Sequence[Prompt] | None = None,
+    requests_per_slot: int = 1,
 ) -> dict[str, Any]:
     """Load, calibrate, run every cell; return the results as plain data."""
     from mlx_lm import load as mlx_load
@@ -518,6 +534,7 @@ def run(
         draft_model=draft_model,
         max_tokens=max_tokens,
         repeats=repeats,
+        requests_per_slot=requests_per_slot,
         prompts=prompts,
         progress=bar.update,
     )
@@ -531,6 +548,7 @@ def run(
         "draft_model": str(draft_dir) if draft_dir else None,
         "max_tokens": max_tokens,
         "repeats": repeats,
+        "requests_per_slot": requests_per_slot,
         "calibration": calibration,
         "prompts": [{"workload": p.workload, "source": p.source, "chars": len(p.text)} for p in prompts],
         "workloads": bench.workload_acceptance(max(ks)),

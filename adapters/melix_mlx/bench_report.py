@@ -33,12 +33,19 @@ def _breakdown(c: dict[str, Any]) -> str:
     )
 
 
+def _batching(results: dict[str, Any]) -> str:
+    n = results.get("requests_per_slot", 1)
+    if n == 1:
+        return "batch cells a fixed batch of B requests"
+    return f"batch cells continuous batching ({n} x B requests queued, B rows at a time)"
+
+
 def table(results: dict[str, Any]) -> str:
     r = results["regime"]
     lines = [
         f"regime: device={r['device']} blas={r['blas']} threads={r.get('blas_threads')} "
         f"dtype={r.get('dtype')} mlx={r['mlx']} "
-        f"mlx_lm={r['mlx_lm']}",
+        f"mlx_lm={r['mlx_lm']} {_batching(results)}",
     ]
     for k, entry in results.get("calibration", {}).items():
         if isinstance(entry, dict) and "error" in entry:
@@ -79,8 +86,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"Regime: device `{r['device']}`, BLAS `{r['blas']}` (threads: {r.get('blas_threads')}), "
         f"dtype `{r.get('dtype')}`, "
         f"mlx {r['mlx']}, mlx-lm {r['mlx_lm']}, {r['machine']}; model `{results['model']}`; "
-        f"{results['max_tokens']} tokens per request, median of {results['repeats']} interleaved runs "
-        "(spread: min-max of the per-run ratios).",
+        f"{results['max_tokens']} tokens per request, {_batching(results)}, median of {results['repeats']} "
+        "interleaved runs (spread: min-max of the per-run ratios).",
         "",
     ]
     for k, entry in results.get("calibration", {}).items():

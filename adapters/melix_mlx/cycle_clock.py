@@ -26,6 +26,11 @@ class CycleClock:
     outside: float = 0.0
     _last_settle: float | None = None
 
+    def interrupt(self) -> None:
+        """The caller did other work since the last settle (a prefill of joining rows): the
+        gap to the next launch is not the caller's bookkeeping, so it is not counted."""
+        self._last_settle = None
+
     def merge(self, other: CycleClock) -> None:
         """Add another run's totals (each run keeps its own clock: gaps between runs are not cycles)."""
         self.cycles += other.cycles

@@ -56,3 +56,11 @@ def test_text_table_reports_fill_beside_efficiency():
     batch = next(line for line in lines if line.startswith("batch")).split()
     assert names[names.index("fill")] == "fill" and batch[names.index("fill")] == "0.84"
     assert batch[names.index("eff")] == "0.80"
+
+
+def test_the_report_says_whether_batch_cells_were_a_fixed_batch_or_continuous_batching():
+    fixed = _results()
+    queued = _results() | {"requests_per_slot": 3}
+    assert "a fixed batch of B requests" in markdown(fixed) and "continuous" not in markdown(fixed)
+    assert "continuous batching (3 x B requests queued, B rows at a time)" in markdown(queued)
+    assert "continuous batching" in table(queued).splitlines()[0]

@@ -42,6 +42,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--temps", type=float, nargs="+", default=[0.0, 0.7])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--requests-per-slot",
+        type=int,
+        default=1,
+        help="batch cells: queue B x N requests to generators capped at B rows (continuous batching: "
+        "a finished row is replaced from the queue); default 1, a fixed batch",
+    )
     p.add_argument("--regime", choices=["current", "reference", "openblas", "both"], default="current")
     p.add_argument("--out", type=Path, default=Path("bench-results"))
     p.add_argument(
@@ -66,6 +73,7 @@ def _child(args: argparse.Namespace, regime: str) -> dict[str, Any]:
         env.setdefault("OPENBLAS_NUM_THREADS", "1")
     argv = [sys.executable, "-m", "melix_fsm.cli", "bench", "--regime", "current", "--out", str(args.out)]
     argv += ["--model", str(args.model), "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats)]
+    argv += ["--requests-per-slot", str(args.requests_per_slot)]
     argv += ["--batch-sizes", *map(str, args.batch_sizes), "--ks", *map(str, args.ks)]
     argv += ["--temps", *map(str, args.temps), "--tag", regime]
     if args.prompts is not None:
@@ -79,8 +87,12 @@ def _child(args: argparse.Namespace, regime: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if min(args.batch_sizes) < 1 or min(args.ks) < 1 or args.repeats < 1 or args.max_tokens < 2:
-        print("melix-fsm bench: error: sizes, k, repeats must be >= 1 and max tokens >= 2", file=sys.stderr)
+    counts = (min(args.batch_sizes), min(args.ks), args.repeats, args.requests_per_slot)
+    if min(counts) < 1 or args.max_tokens < 2:
+        print(
+            "melix-fsm bench: error: sizes, k, repeats, requests per slot must be >= 1 and max tokens >= 2",
+            file=sys.stderr,
+        )
         return 2
     if args.model is None:
         args.model = EMBEDDED / "stdlib-tiny"
@@ -117,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
                 repeats=args.repeats,
                 show_progress=not args.no_progress,
                 prompts=prompts,
+                requests_per_slot=args.requests_per_slot,
             )
         except HeadLoadError as exc:
             print(f"melix-fsm bench: refused: {exc.reason}: {exc}", file=sys.stderr)
