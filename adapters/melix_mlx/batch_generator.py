@@ -327,10 +327,11 @@ class MTPBatchGenerator(BatchSurface):
         """Start the next step now, as mlx-lm's generator does for its plain steps.
 
         The device computes it while the caller handles this call's responses; the next
-        `next()` syncs it. Not while a queue waits for admission (it reshapes the batch
-        first). `remove`, `extract_cache` and `close` undo a cycle launched this way.
+        `next()` syncs it. Not while a queued request has a free row to join (admission
+        reshapes the batch first); a queue waiting for a row does not stop it, as it does
+        not stop mlx-lm's. `remove`, `extract_cache` and `close` undo a cycle launched this way.
         """
-        if not len(self.batch) or self._queue or self._ahead is not None:
+        if not len(self.batch) or self._admission_due() or self._ahead is not None:
             return
         rows = self.batch.rows
         plans = self._plans(rows, [row.payload for row in rows])
@@ -339,6 +340,10 @@ class MTPBatchGenerator(BatchSurface):
         step = self._launch(rows, plans)
         if step is not None:
             self._keep_ahead(step, rows, plans)
+
+    def _admission_due(self) -> bool:
+        """A queued request has a free row to join at the end of this call."""
+        return bool(self._queue) and len(self.batch) < self.completion_batch_size
 
     def _launch_ahead(self, rows: tuple[Row, ...], plans: list[RowPlan]) -> None:
         """Launch step n + 1 before step n settles. A fault while building it is recorded
@@ -441,6 +446,10 @@ class MTPBatchGenerator(BatchSurface):
 
     # -- admission -------------------------------------------------------------------
     def _admit(self, out: list[MTPResponse]) -> list[PromptProcessingBatch.Response]:
+        if self._ahead is not None:
+            # a step runs ahead for the rows as they were (a row left on a stop token while
+            # it was built): it cannot be undone across that reshape, so rows join next call
+            return []
         ready = self._pop_ready(min(self.prefill_batch_size, self.completion_batch_size - len(self.batch)))
         joining = Batch()
         caches, head_caches, heads, ys, responses = [], [], [], [], []
@@ -564,12 +573,13 @@ class MTPBatchGenerator(BatchSurface):
     def _plans_ahead(self, states: list[RowState], plans: list[RowPlan]) -> list[RowPlan] | None:
         """The plans of step n + 1 if it may be launched before step n settles, else None.
 
-        Not with a queue (admission reshapes the batch), not when a row may reach its
-        length limit in step n (it leaves), not with logits processors (they read the
-        host's history). Without `run_ahead` only a plain step after a plain step (mlx-lm's
-        own pipelining); with it, anything after a plain step, and after a cycle where
-        rollback runs in the graph."""
-        if self._queue or any(p.processors for p in plans):
+        Not while a queued request has a free row (admission reshapes the batch), not when a
+        row may reach its length limit in step n (it leaves), not with logits processors
+        (they read the host's history). A row that leaves on a stop token in step n frees
+        its row for the queue one call later (`_admit`). Without `run_ahead` only a plain
+        step after a plain step (mlx-lm's own pipelining); with it, anything after a plain
+        step, and after a cycle where rollback runs in the graph."""
+        if self._admission_due() or any(p.processors for p in plans):
             return None
         if any(s.max_tokens - s.num_generated <= p.k + 1 for s, p in zip(states, plans)):
             return None

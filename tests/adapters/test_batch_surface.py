@@ -198,3 +198,34 @@ def test_a_fully_cached_prompt_feeds_its_last_token_again(loaded: tuple, prompts
     (b,) = ref.insert([history[-1:]], max_tokens=[12], caches=[trimmed], all_tokens=[history[:-1]])
     assert drain(ours, [a])[a] == drain(ref, [b])[b]
     assert history == before  # the caller's token list is not modified
+
+
+def test_plain_rows_pipeline_while_requests_queue_for_a_row(loaded: tuple, prompts: list) -> None:
+    """mlx-lm launches the next plain step before reading this one's tokens even while
+    requests wait for a row, and so do we: a queue with no free row does not stop the
+    step running ahead. Same tokens as mlx-lm's generator, also where rows leave on a
+    stop token while a step runs ahead (their row goes to the queue one call later)."""
+    from melix_fsm.policy.controller import LiveController
+    from melix_fsm.policy.decision import Policy
+
+    model, _, head = loaded
+    many = prompts * 3
+    slots = {"completion_batch_size": 2, "prefill_batch_size": 2}
+    free = BatchGenerator(model, **slots)
+    unstopped = drain(free, free.insert(many, max_tokens=[12] * len(many)))
+    stop = next(iter(unstopped.values()))[4]  # a token some row emits mid-run
+    ref = BatchGenerator(model, stop_tokens=[[stop]], **slots)
+    theirs = drain(ref, ref.insert(many, max_tokens=[12] * len(many)))
+    gen = MTPBatchGenerator(
+        model, head, controller=LiveController(None, policy=Policy.force_off), stop_tokens=[[stop]], **slots
+    )
+    waiting_ahead = 0
+
+    def count(g: Any, _: list) -> None:
+        nonlocal waiting_ahead
+        waiting_ahead += bool(g._queue) and len(g.batch) == 2 and g._ahead is not None
+
+    ours = drain(gen, gen.insert(many, max_tokens=[12] * len(many)), count)
+    assert list(ours.values()) == list(theirs.values())
+    assert any(len(t) < 12 for t in ours.values())  # some rows left on the stop token
+    assert waiting_ahead > 0

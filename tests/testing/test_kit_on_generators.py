@@ -61,6 +61,27 @@ def test_real_generator_passes(tiny: Callable, family: str) -> None:
 
 
 @pytest.mark.parametrize("family", ["mimo", "qwen3_5"])
+def test_real_generator_passes_while_plain(tiny: Callable, family: str) -> None:
+    # plain rows run a step ahead, also while requests queue for a row (mlx-lm's pipelining)
+    from melix_fsm.policy.controller import LiveController
+    from melix_fsm.policy.decision import Policy
+
+    model, head = tiny(family)
+    run_conformance(
+        lambda m: MTPBatchGenerator(
+            m,
+            head,
+            prefill_batch_size=2,
+            completion_batch_size=3,
+            controller=LiveController(None, policy=Policy.force_off),
+        ),
+        models={family: model},
+        insert_options=OPTIONS,
+        settings=budget(12),
+    )
+
+
+@pytest.mark.parametrize("family", ["mimo", "qwen3_5"])
 def test_real_generator_passes_with_accepting_head(scripted: Callable, family: str) -> None:
     model, head, reference = scripted(family, wrong_every=3)
     make = factory(MTPBatchGenerator, head)
