@@ -216,8 +216,8 @@ def select(armed: list[ArraysCache], steps: list[list[tuple[mx.array, mx.array]]
 
     A chain of `mx.where` over the recorded positions, with one row mask per position
     built once for all leaves: stacking every position's state and gathering along it
-    (the obvious form) copies S full states per leaf and cost ~5x more per cycle at
-    batch 4 on the hybrid layout.
+    (the obvious form) copies S full states per leaf and took 2-6x as long on the hybrid
+    layout at batch 1-8 (benchmarks/bench_capture_select.py).
     """
     index = keep.astype(mx.int32) - 1
     row_masks: dict[tuple[int, int], mx.array] = {}  # (position, ndim) -> [B, 1, ...] mask
