@@ -54,7 +54,7 @@ def test_text_table_reports_fill_beside_efficiency():
     header = next(line for line in lines if line.startswith("path"))
     names = header.split()
     batch = next(line for line in lines if line.startswith("batch")).split()
-    assert names[names.index("fill")] == "fill" and batch[names.index("fill")] == "0.84"
+    assert names.index("fill") == names.index("eff") + 1 and batch[names.index("fill")] == "0.84"
     assert batch[names.index("eff")] == "0.80"
 
 
