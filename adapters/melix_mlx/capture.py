@@ -13,9 +13,12 @@ Rules of this module:
   shard see the same tree) and, unarmed, call mlx-lm's `__call__` unchanged.
 - Exactness: the armed path computes the projections, the convolution and the gates over
   the whole verify block exactly as mlx-lm does, and runs the gated-delta recurrence one
-  position at a time through mlx-lm's own `gated_delta_update` (its reference path loops
-  per position anyway; the kernels keep the state in float32 between positions). Its
-  outputs equal mlx-lm's bit for bit (tests/adapters/test_capture.py).
+  position at a time through mlx-lm's own code: without a Metal device, mlx-lm's
+  recurrence is its ops loop (`gated_delta_ops`: gates over the block, then its compiled
+  one-position step per position), which the armed path runs the same way, recording the
+  state between steps; on Metal it calls mlx-lm's `gated_delta_update` (its kernel) once
+  per position, which keeps the state in float32 between positions. Its outputs equal
+  mlx-lm's bit for bit (tests/adapters/test_capture.py).
 - Recurrent layers without a capturing subclass have no exact rollback here: `supported`
   tells the decoders, which refuse such a cache (melix_mlx.rollback.unsupported_kinds).
 """
@@ -29,7 +32,12 @@ import mlx.nn as nn
 from mlx.nn.layers.distributed import sum_gradients
 from mlx_lm.models import qwen3_5, qwen3_next
 from mlx_lm.models.cache import ArraysCache
-from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+from mlx_lm.models.gated_delta import (
+    _gated_delta_step_ops,  # mlx-lm's one-position step (pinned mlx-lm minor: pyproject)
+    compute_g,
+    gated_delta_update,
+    normalize_qk,
+)
 
 _ARMED = "melix_steps"  # attribute an armed ArraysCache leaf carries: list of per-step states
 
@@ -49,25 +57,59 @@ def _recur(
     """The gated-delta recurrence one position at a time, recording each step's state."""
     n_keep = layer.conv_kernel_size - 1
     q, k = normalize_qk(q, k, inv_scale=layer.head_k_dim**-0.5, eps=1e-6)
-    outs = []
+    step = _ops_recurrence if not mx.metal.is_available() else _update_per_position
+    outs, state_at = step(layer, q, k, v, a, b, state, mask)
+    for t, state in enumerate(state_at):  # the convolution window after t + 1 of the S positions
+        steps.append((conv_input[:, t + 1 : t + 1 + n_keep], state))
+    return outs, state
+
+
+def _ops_recurrence(
+    layer: Any, q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, state: Any, mask: Any
+) -> tuple[list[mx.array], list[mx.array]]:
+    """mlx-lm's `gated_delta_update` -> `gated_delta_ops` without a Metal kernel: the gates
+    over the whole block, then its compiled step per position. Building the gates once
+    per block (not per position) is the same arithmetic and a third less graph to build."""
+    beta = mx.sigmoid(b)
+    g = compute_g(layer.A_log, a, layer.dt_bias)
+    rows, _, heads_k, dim_k = q.shape
+    heads_v, dim_v = v.shape[-2:]
+    if state is None:
+        state = mx.zeros((rows, heads_v, dim_v, dim_k), dtype=mx.float32)
+    if (repeat := heads_v // heads_k) > 1:
+        q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
+    outs, states = [], []
     for t in range(q.shape[1]):
-        step = slice(t, t + 1)
+        y, state = _gated_delta_step_ops(
+            q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, None if mask is None else mask[:, t]
+        )
+        outs.append(mx.expand_dims(y, 1))
+        states.append(state)
+    return outs, states
+
+
+def _update_per_position(
+    layer: Any, q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, state: Any, mask: Any
+) -> tuple[list[mx.array], list[mx.array]]:
+    """With a Metal device mlx-lm may run its kernel: call it once per position."""
+    outs, states = [], []
+    for t in range(q.shape[1]):
+        at = slice(t, t + 1)
         y, state = gated_delta_update(
-            q[:, step],
-            k[:, step],
-            v[:, step],
-            a[:, step],
-            b[:, step],
+            q[:, at],
+            k[:, at],
+            v[:, at],
+            a[:, at],
+            b[:, at],
             layer.A_log,
             layer.dt_bias,
             state,
-            None if mask is None else mask[:, step],
+            None if mask is None else mask[:, at],
             use_kernel=not layer.training,
         )
         outs.append(y)
-        # the convolution window after t + 1 of the S positions
-        steps.append((conv_input[:, t + 1 : t + 1 + n_keep], state))
-    return outs, state
+        states.append(state)
+    return outs, states
 
 
 def _conv_qkv(layer: Any, conv_input: mx.array, B: int, S: int) -> list[mx.array]:

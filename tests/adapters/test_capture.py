@@ -6,6 +6,8 @@ verify (melix_mlx.capture) and latent attention in its absorbed form (melix_mlx.
 - The state it selects after n of the block's positions equals the state of a cache fed
   only those n tokens, bit for bit, per row (rows select different lengths).
 - Installing changes no parameter and is idempotent; an unarmed cache never records.
+- The recurrence's two forms (gates once per block / mlx-lm's update per position, the
+  Metal form) agree bit for bit on this CPU.
 - A verify's latent attention gives, row by row, exactly mlx-lm's one-token logits
   (measured max |diff| = 0 on the CPU wheel), and stays within 1e-4 of mlx-lm's own
   multi-token form (which expands the whole context).
@@ -96,6 +98,32 @@ def test_a_wrong_selection_is_visible(qwen) -> None:
     forward_with_hidden(reference, mx.array(PROMPT[:1]), clean)
     forward_with_hidden(reference, mx.array([[3]]), clean)
     assert _max_diff(cache, clean) > 0.0
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_both_recurrence_forms_agree(qwen, masked: bool) -> None:
+    """The armed recurrence has two forms: mlx-lm's ops loop with the gates built once per
+    block (no Metal device) and mlx-lm's `gated_delta_update` called per position (its
+    kernel on Metal). On this CPU both run mlx-lm's ops: outputs and every recorded state
+    must be equal bit for bit, with and without a padding mask (Hv > Hk: the repeat too)."""
+    model, _ = qwen
+    layer = next(m for m in capture._recurrent_layers(model))
+    rows, length = 2, 3
+    assert layer.num_v_heads > layer.num_k_heads
+    keys = iter(mx.random.split(mx.random.key(7), 6))
+    heads_k, dim_k, heads_v, dim_v = layer.num_k_heads, layer.head_k_dim, layer.num_v_heads, layer.head_v_dim
+    q = mx.random.normal((rows, length, heads_k, dim_k), key=next(keys))
+    k = mx.random.normal((rows, length, heads_k, dim_k), key=next(keys))
+    v = mx.random.normal((rows, length, heads_v, dim_v), key=next(keys))
+    a = mx.random.normal((rows, length, heads_v), key=next(keys))
+    b = mx.random.normal((rows, length, heads_v), key=next(keys))
+    state = mx.random.normal((rows, heads_v, dim_v, dim_k), key=next(keys))
+    mask = mx.array([[True] * length, [False] + [True] * (length - 1)]) if masked else None
+    ops_out, ops_states = capture._ops_recurrence(layer, q, k, v, a, b, state, mask)
+    per_out, per_states = capture._update_per_position(layer, q, k, v, a, b, state, mask)
+    assert len(ops_states) == len(per_states) == length
+    for x, y in zip(ops_out + ops_states, per_out + per_states, strict=True):
+        assert x.shape == y.shape and mx.array_equal(x, y).item()
 
 
 def test_install_keeps_parameters_and_is_idempotent(tiny_checkpoint) -> None:
