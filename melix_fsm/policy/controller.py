@@ -567,7 +567,9 @@ class LiveController:
             self.counters.resume_decisions += 1
             self._record(Action.keep, LiveReason.probe_passed, batch_size, est)
         else:
-            self._spec_wait = min(cfg.probe_max_after, math.ceil(self._spec_wait * cfg.probe_backoff))
+            # a shallower depth is a new question: its probe comes after the same wait
+            if self.depth.lost_to_plain(self.step) is None:
+                self._spec_wait = min(cfg.probe_max_after, math.ceil(self._spec_wait * cfg.probe_backoff))
             self._next_spec_probe = self.step + self._spec_wait
             self.counters.probes_failed += 1
             self._record(Action.suspend, LiveReason.probe_failed, batch_size, est)
@@ -577,6 +579,7 @@ class LiveController:
         self._last_switch = self.step
         if not on:
             self.depth.abort()
+            self.depth.lost_to_plain(self.step)
 
     def _share(self, batch_size: int) -> None:
         """Adopt rank 0's decision (the `agree` hook); a no-op in a single process."""

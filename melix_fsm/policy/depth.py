@@ -62,6 +62,7 @@ class DepthReason(enum.StrEnum):
     measured_faster = "measured_faster"  # a depth measured faster (beyond the tie) and was adopted
     measured_tie = "measured_tie"  # the explored depth did not beat the chosen one: kept
     model = "model"  # no timed samples: the cost model with live acceptance chose
+    lost_to_plain = "lost_to_plain"  # this depth lost to plain: the next probe drafts one fewer
 
 
 class DepthDecision(msgspec.Struct, frozen=True, kw_only=True):
@@ -210,6 +211,22 @@ class DepthChooser:
         e_up = e_now + self.acceptance.position(k)  # P(k+1) <= P(k): chained drafts
         return e_up / e_now > 1.0 + self.config.tie
 
+    def lost_to_plain(self, step: int) -> DepthEvent | None:
+        """Speculation at the chosen depth measured no faster than plain (a suspension or a
+        failed probe): the next speculative window drafts one fewer. A deeper cycle costs
+        more than a shallower one, so its loss says nothing of k - 1; without this, a
+        controller suspended at k = 2 would probe k = 2 for ever while k = 1 would pay
+        (explorations run only while speculating)."""
+        if not self.auto or self.chosen == 1:
+            return None
+        before = self.chosen
+        self.chosen -= 1
+        self.exploring = None
+        self.changes += 1
+        self._wait = self.config.every
+        self._next = self._spec_steps + self._wait
+        return self._record(step, DepthReason.lost_to_plain, before, self.chosen)
+
     def _decided(self) -> bool:
         """Does the explored depth differ from the chosen one beyond the tie tolerance?"""
         rates = self.measured_rates()
@@ -224,6 +241,8 @@ class DepthChooser:
         once, not at the next exploration. An exploration window decides when it ends."""
         if not self.auto or self.exploring is not None:
             return None
+        if self.chosen not in self.measured_rates():
+            return None  # not measured yet (e.g. stepped down after a loss): its window decides
         before = self.chosen
         self.chosen = self.choose()
         if self.chosen == before:

@@ -24,7 +24,10 @@ def settled_k_is_not_slower_than_a_smaller_one(ctrl: LiveController) -> None:
     chosen = ctrl.depth.chosen
     if not rates:
         return
-    assert chosen in rates, "a measured depth exists, so the chosen one is measured"
+    if chosen not in rates:  # stepped down after losing to plain: it awaits its own window
+        lost = (e for e in ctrl.depth_events if e.reason is DepthReason.lost_to_plain)
+        assert any(e.k_after == chosen for e in lost), "a measured depth exists: the chosen one is measured"
+        return
     for j, rate in rates.items():
         if j < chosen:
             assert rate < rates[chosen], (j, rate, chosen, rates[chosen])
@@ -61,6 +64,27 @@ def test_a_deeper_k_that_measures_slower_is_left():
     assert ctrl.depth.chosen == 1
     late = [k for k in history[1000:] if k]
     assert late.count(1) / len(late) > 0.9  # explorations upward back off
+
+
+def test_a_depth_that_loses_to_plain_is_not_the_only_one_probed():
+    """Suspended at k = 2 (it loses to plain) while k = 1 pays: explorations run only while
+    speculating, so each failed probe must step the depth down, or k = 2 would be probed
+    for ever. Here k = 2 runs at 0.83x plain and k = 1 at 1.2x."""
+    world = World(keep=0.5, cycle_s=lambda k: 1.25 if k == 1 else 2.1, noise=0.03, seed=5)
+    assert world.true_speedup(1) == pytest.approx(1.2) and world.true_speedup(2) < 0.85
+    ctrl = LiveController(BANDWIDTH_BOUND, prior=PRIOR, depth="auto", max_depth=2, active=False)
+    assert ctrl.depth.chosen == 2 and not ctrl.speculating
+    history = []
+    for _ in range(1500):
+        k = ctrl.k if ctrl.speculating else 0
+        world.step(ctrl)
+        history.append(k)
+        settled_k_is_not_slower_than_a_smaller_one(ctrl)
+    stepped = [e for e in ctrl.depth_events if e.reason is DepthReason.lost_to_plain]
+    assert stepped and stepped[0].k_before == 2 and stepped[0].k_after == 1
+    assert ctrl.depth.chosen == 1 and ctrl.counters.probes_passed >= 1
+    late = history[-500:]
+    assert late.count(1) / len(late) > 0.9  # on at k = 1 (plain probes and upward looks aside)
 
 
 def test_a_deeper_k_that_measures_faster_is_adopted():
