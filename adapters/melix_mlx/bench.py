@@ -4,9 +4,10 @@ workloads already live in bench_report.py and workloads.py. Splitting it is open
 
 Rules of this module:
 - Every figure is a ratio of two measurements taken in the same process, interleaved
-  (baseline, candidate, baseline, candidate, ...) and summarised by the median, with the
-  spread (min, max) of the per-repeat ratios, so slow drift of a shared machine hits both
-  sides alike and the noise is visible. Absolute tokens/s are reported too; only ratios
+  (baseline, candidates; then the candidates and the baseline in reverse: ABBA, so drift
+  through a repeat favours no side) and summarised by the median, with the spread (min,
+  max) of the per-repeat ratios, so slow drift of a shared machine hits both sides alike
+  and the noise is visible. Absolute tokens/s are reported too; only ratios
   are claims.
 - Baselines: mlx-lm's `BatchGenerator` at the same batch size (every batch cell), mlx-lm's
   plain `stream_generate` (single cells) and its `speculative_generate_step` with a draft
@@ -49,6 +50,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +150,13 @@ def _sampler(temp: float, tagged: bool) -> Any:
     if temp == 0:
         return None
     return make_sampler(temp=temp) if tagged else mlx_make_sampler(temp=temp)
+
+
+def _interleaved(repeat: int, runs: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Run one repeat's runs in order on even repeats, reversed on odd ones (ABBA), so a
+    machine that drifts through a repeat favours no side; results by name."""
+    order = list(runs) if repeat % 2 == 0 else list(reversed(runs))
+    return {name: runs[name]() for name in order}
 
 
 def _run_batch(gen: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, int]:
@@ -288,27 +297,40 @@ class Bench:
                 cycle_clock.merge(run_clock)
             return tps, mem, gen
 
-        for r in range(self.repeats):
-            mx.random.seed(r)
+        def plain(seed: int) -> tuple[float, float]:
+            mx.random.seed(seed)
             slots, sampler = self._slots(batch_size), _sampler(temp, False)
             base = BatchGenerator(self.model, max_tokens=self.max_tokens, sampler=sampler, **slots)
-            b_tps, b_mem, _ = _run_batch(base, prompts, self.max_tokens)
+            tps, mem, _ = _run_batch(base, prompts, self.max_tokens)
             base.close()
-            mx.random.seed(r)
-            m_tps, m_mem, gen = mtp(cycle_clock=clock)
+            return tps, mem
+
+        def seeded(seed: int, controller: Any = None, cycle_clock: CycleClock | None = None) -> Any:
+            mx.random.seed(seed)
+            return mtp(controller, cycle_clock)
+
+        for r in range(self.repeats):
+            controller = self._controller(k, batch_size)
+            chooser = self._controller(k, batch_size, depth="auto") if deepest and k > 1 else None
+            runs: dict[str, Callable[[], Any]] = {
+                "plain": partial(plain, r),
+                "mtp": partial(seeded, r, cycle_clock=clock),
+            }
+            if controller is not None:
+                runs["auto"] = partial(seeded, r, controller)
+                if chooser is not None:
+                    runs["auto_depth"] = partial(seeded, r, chooser)
+            out = _interleaved(r, runs)
+            (b_tps, b_mem), (m_tps, m_mem, gen) = out["plain"], out["mtp"]
             stats = gen.speculative_stats()
             spec_stats = stats if spec_stats is None else spec_stats
             cell.samples.append((b_tps, m_tps))
-            controller = self._controller(k, batch_size)
             if controller is not None:
-                mx.random.seed(r)
-                auto.append(mtp(controller)[0])
+                auto.append(out["auto"][0])
                 auto_share.append(1.0 - controller.counters.steps_suspended / max(controller.step, 1))
-                if deepest and k > 1:
-                    chooser = self._controller(k, batch_size, depth="auto")
-                    mx.random.seed(r)
-                    auto_depth.append(mtp(chooser)[0])
-                    depth_k = chooser.k
+            if chooser is not None:
+                auto_depth.append(out["auto_depth"][0])
+                depth_k = chooser.k
             cell.peak_memory_gb = max(cell.peak_memory_gb, m_mem)
             cell.baseline_peak_memory_gb = max(cell.baseline_peak_memory_gb, b_mem)
             cell.target_forwards_per_token = stats["row_forwards"] / max(stats["emitted"], 1)
@@ -377,17 +399,25 @@ class Bench:
         depth_k = None
         for r in range(self.repeats):
             prompt = self.prompts[r % len(self.prompts)]
-            b_tps, b_mem = self._plain_single(prompt, temp, seed=r)
-            m_tps, m_mem, last = self._mtp_single(prompt, k, temp, r, clock=clock)
-            cell.samples.append((b_tps, m_tps))
             controller = self._controller(k, 1)
+            chooser = self._controller(k, 1, depth="auto") if deepest and k > 1 else None
+            runs: dict[str, Callable[[], Any]] = {
+                "plain": partial(self._plain_single, prompt, temp, seed=r),
+                "mtp": partial(self._mtp_single, prompt, k, temp, r, clock=clock),
+            }
             if controller is not None:
-                auto.append(self._mtp_single(prompt, k, temp, r, controller=controller)[0])
+                runs["auto"] = partial(self._mtp_single, prompt, k, temp, r, controller=controller)
+                if chooser is not None:
+                    runs["auto_depth"] = partial(self._mtp_single, prompt, k, temp, r, controller=chooser)
+            out = _interleaved(r, runs)
+            (b_tps, b_mem), (m_tps, m_mem, last) = out["plain"], out["mtp"]
+            cell.samples.append((b_tps, m_tps))
+            if controller is not None:
+                auto.append(out["auto"][0])
                 auto_share.append(1.0 - controller.counters.steps_suspended / max(controller.step, 1))
-                if deepest and k > 1:
-                    chooser = self._controller(k, 1, depth="auto")
-                    auto_depth.append(self._mtp_single(prompt, k, temp, r, controller=chooser)[0])
-                    depth_k = chooser.k
+            if chooser is not None:
+                auto_depth.append(out["auto_depth"][0])
+                depth_k = chooser.k
             cell.peak_memory_gb = max(cell.peak_memory_gb, m_mem)
             cell.baseline_peak_memory_gb = max(cell.baseline_peak_memory_gb, b_mem)
             stats = last.stats
