@@ -1,6 +1,6 @@
 """The benchmark harness: MTP against mlx-lm's own decode paths, side by side in one run.
-(Over 400 lines: the interleaving of every cell's runs is one loop; the report and the
-workloads already live in bench_report.py and workloads.py. Splitting it is open work.)
+(Over 400 lines: the cells' interleaved loops read together; the records live in
+bench_results.py, the report in bench_report.py, the prompts in workloads.py.)
 
 Rules of this module:
 - Every figure is a ratio of two measurements taken in the same process, interleaved
@@ -43,13 +43,10 @@ Rules of this module:
 
 from __future__ import annotations
 
-import os
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -62,83 +59,15 @@ from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
 from melix_fsm.policy.controller import LiveController
 from melix_fsm.policy.cost_model import TimingTable, acceptance_prior, expected_tokens_from_positions
 from melix_fsm.policy.decision import Policy, decide
-from melix_fsm.policy.telemetry import loaded_blas, read_proc_maps
 
 from .batch_generator import MTPBatchGenerator
-from .calibrate import calibrate, device_kind, model_dtype
+from .bench_results import Cell, DraftCell, msgspec_builtins, regime
+from .calibrate import calibrate, model_dtype
 from .cycle_clock import CycleClock
 from .decode import MTPDecoder
 from .generate import mtp_stream_generate
 from .sampling import make_sampler
 from .workloads import Prompt, held_out_prompts
-
-BREAKDOWN = ("verify", "head", "build", "dispatch", "sync", "rollback", "outside", "not_overlapped")
-
-
-@dataclass
-class Cell:
-    """One measured configuration, with its baseline measured beside it."""
-
-    path: str  # "batch" (MTPBatchGenerator vs BatchGenerator) or "single" (vs stream_generate)
-    batch_size: int
-    k: int
-    temp: float
-    tps: float = 0.0
-    baseline_tps: float = 0.0
-    ratio: float = 0.0
-    ratio_min: float = 0.0
-    ratio_max: float = 0.0
-    acceptance_rate: float | None = None
-    mean_acceptance_length: float | None = None
-    per_position_acceptance: list[float] = field(default_factory=list)
-    target_forwards_per_token: float | None = None
-    replay_forwards: int = 0
-    peak_memory_gb: float = 0.0
-    baseline_peak_memory_gb: float = 0.0
-    ideal_ratio: float | None = None
-    efficiency: float | None = None  # ratio / ideal_ratio
-    batch_fill: float | None = None  # busy rows per verify forward / B (forced on; batch cells)
-    breakdown_ms: dict[str, float] = field(default_factory=dict)  # per cycle
-    auto_tps: float | None = None  # device policy auto (live controller), same cell
-    auto_over_plain: float | None = None
-    auto_over_force_on: float | None = None
-    auto_over_best: float | None = None  # auto / max(plain, force_on), per repeat
-    auto_gate: str | None = None
-    auto_speculating_share: float | None = None  # steps the auto run speculated
-    auto_depth_over_plain: float | None = None  # depth "auto" (deepest k cell only)
-    auto_depth_k: int | None = None  # the depth it settled on
-    samples: list[tuple[float, float]] = field(default_factory=list)
-
-
-@dataclass
-class DraftCell:
-    """mlx-lm's speculative_generate_step with a draft model, batch 1."""
-
-    k: int
-    temp: float
-    tps: float = 0.0
-    baseline_tps: float = 0.0
-    ratio: float = 0.0
-    draft_token_share: float | None = None  # emitted tokens that came from the draft model
-    refused: str | None = None  # mlx-lm's draft-model path refused this model (its own error)
-
-
-def regime() -> dict[str, Any]:
-    import mlx_lm
-
-    import melix_fsm
-
-    return {
-        "device": device_kind(),
-        "blas": loaded_blas(read_proc_maps()) if sys.platform.startswith("linux") else "n/a",
-        "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"),
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "python": platform.python_version(),
-        "mlx": mx.__version__,
-        "mlx_lm": mlx_lm.__version__,
-        "melix_fsm": melix_fsm.__version__,
-    }
 
 
 def _median(values: Iterable[float]) -> float:
@@ -525,12 +454,6 @@ class Bench:
                 }
             )
         return out
-
-
-def msgspec_builtins(value: Any) -> Any:
-    import msgspec
-
-    return msgspec.to_builtins(value)
 
 
 def run(

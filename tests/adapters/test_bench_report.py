@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from melix_mlx.bench import Cell, DraftCell
 from melix_mlx.bench_report import markdown, table
+from melix_mlx.bench_results import Cell, DraftCell
 
 REGIME = {
     "device": "cpu",

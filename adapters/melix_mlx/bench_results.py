@@ -1,0 +1,93 @@
+"""The benchmark's records: one measured cell, a draft-model cell, and the regime a run
+measured in (melix_mlx.bench runs the cells; melix_mlx.bench_report renders them).
+
+Plain dataclasses, so a results file is `vars(cell)` per cell and the report is a pure
+function of that data.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from melix_fsm.policy.telemetry import loaded_blas, read_proc_maps
+
+from .calibrate import device_kind
+
+
+@dataclass
+class Cell:
+    """One measured configuration, with its baseline measured beside it."""
+
+    path: str  # "batch" (MTPBatchGenerator vs BatchGenerator) or "single" (vs stream_generate)
+    batch_size: int
+    k: int
+    temp: float
+    tps: float = 0.0
+    baseline_tps: float = 0.0
+    ratio: float = 0.0
+    ratio_min: float = 0.0
+    ratio_max: float = 0.0
+    acceptance_rate: float | None = None
+    mean_acceptance_length: float | None = None
+    per_position_acceptance: list[float] = field(default_factory=list)
+    target_forwards_per_token: float | None = None
+    replay_forwards: int = 0
+    peak_memory_gb: float = 0.0
+    baseline_peak_memory_gb: float = 0.0
+    ideal_ratio: float | None = None
+    efficiency: float | None = None  # ratio / ideal_ratio
+    batch_fill: float | None = None  # busy rows per verify forward / B (forced on; batch cells)
+    breakdown_ms: dict[str, float] = field(default_factory=dict)  # per cycle
+    auto_tps: float | None = None  # device policy auto (live controller), same cell
+    auto_over_plain: float | None = None
+    auto_over_force_on: float | None = None
+    auto_over_best: float | None = None  # auto / max(plain, force_on), per repeat
+    auto_gate: str | None = None
+    auto_speculating_share: float | None = None  # steps the auto run speculated
+    auto_depth_over_plain: float | None = None  # depth "auto" (deepest k cell only)
+    auto_depth_k: int | None = None  # the depth it settled on
+    samples: list[tuple[float, float]] = field(default_factory=list)
+
+
+@dataclass
+class DraftCell:
+    """mlx-lm's speculative_generate_step with a draft model, batch 1."""
+
+    k: int
+    temp: float
+    tps: float = 0.0
+    baseline_tps: float = 0.0
+    ratio: float = 0.0
+    draft_token_share: float | None = None  # emitted tokens that came from the draft model
+    refused: str | None = None  # mlx-lm's draft-model path refused this model (its own error)
+
+
+def regime() -> dict[str, Any]:
+    import mlx_lm
+
+    import melix_fsm
+
+    return {
+        "device": device_kind(),
+        "blas": loaded_blas(read_proc_maps()) if sys.platform.startswith("linux") else "n/a",
+        "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "melix_fsm": melix_fsm.__version__,
+    }
+
+
+def msgspec_builtins(value: Any) -> Any:
+    """A msgspec struct as plain data (for the results file)."""
+    import msgspec
+
+    return msgspec.to_builtins(value)
