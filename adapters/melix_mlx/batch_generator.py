@@ -30,6 +30,14 @@ Rules of this module:
 - Device policy: an optional `LiveController` (melix_fsm.policy.controller) is fed every
   step's batch size, verify outcomes and seconds; its verdict becomes suspend / resume
   lifecycle events for every row at a cycle boundary. Without one, speculation stays on.
+  What a step is worth (`objective`): "throughput" counts every token emitted, right
+  while requests wait for rows (a finished row is refilled at once); "drain" counts the
+  batch's progress towards its end: B x the drop in the largest budget left (max_tokens
+  minus tokens generated) over its rows. A batch nobody refills ends with its longest
+  row, so a cycle that moves the other rows and not that one gains nothing, and a
+  speculating batch whose rows drift apart pays the tail. "auto" (the default) is drain
+  while no request waits, throughput otherwise; a server, which expects arrivals, passes
+  "throughput".
 - Faults: an exception in the head or verify forward faults the rows that were
   speculating; caches are restored and they continue as plain decode. No token is lost.
 """
@@ -77,6 +85,8 @@ from .engine import (
 )
 from .prefill import check_prompt
 
+OBJECTIVES = ("auto", "throughput", "drain")  # what a step is worth to the live policy
+
 
 class MTPBatchGenerator(BatchSurface):
     """Continuous batching with MTP speculation in every row; see the module rules."""
@@ -100,9 +110,12 @@ class MTPBatchGenerator(BatchSurface):
         controller: LiveController | None = None,
         kv_bits: int | None = None,
         run_ahead: bool | None = None,
+        objective: str = "auto",
     ) -> None:
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
         if kv_bits is not None:  # typed, from the registry: mlx-lm cannot merge quantized caches
             from .errors import batched_quantized_kv
 
@@ -130,6 +143,7 @@ class MTPBatchGenerator(BatchSurface):
         self._counters = BatchCounters()
         self.row_forwards = 0  # target forwards counted once per row they served
         self.controller = controller
+        self.objective = objective
         # build step n + 1 before step n syncs (melix_mlx.engine.run_ahead_default: on a GPU)
         self.run_ahead = run_ahead_default() if run_ahead is None else run_ahead
         self.last_report = StepReport()
@@ -280,12 +294,15 @@ class MTPBatchGenerator(BatchSurface):
             if len(self.batch):
                 tic = time.perf_counter()
                 size = len(self.batch)
+                draining = self._draining()
+                budget = self._longest_budget()
                 generation = self._step()
                 # the live policy sees each step's period (a plain step runs between calls)
                 end = time.perf_counter()
                 seconds = None if self._last_step_end is None else end - self._last_step_end
                 self._last_step_end = end
-                self._apply_policy(size, seconds, len(generation), exclude=self._admitted_since)
+                worth = size * (budget - self._longest_budget()) if draining else len(generation)
+                self._apply_policy(size, seconds, worth, exclude=self._admitted_since)
                 self._admitted_since = False
                 self._counters.decode_time += time.perf_counter() - tic
                 self._counters.generation_tokens += len(generation)
@@ -314,6 +331,16 @@ class MTPBatchGenerator(BatchSurface):
             )
             self._drain_failures((prompt_responses, generation))
             return prompt_responses, generation
+
+    def _draining(self) -> bool:
+        """Is this step judged by the batch's progress to its end (`objective`)?"""
+        if self.objective == "auto":
+            return not self._queue
+        return self.objective == "drain"
+
+    def _longest_budget(self) -> int:
+        """Tokens the batch's longest row may still generate (0 once every row has left)."""
+        return max((row.payload.max_tokens - row.payload.num_generated for row in self.batch.rows), default=0)
 
     def _record(self, uid: Any, signal: Signal) -> None:
         self._events.setdefault(uid, []).append(signal)

@@ -293,7 +293,9 @@ class LiveController:
 
         accepted / proposed: the batch's summed verify outcome (0 / 0 for a plain step).
         seconds: the step's wall-clock time (None: the cost model decides alone).
-        tokens: tokens the step emitted over all rows (None: accepted + batch_size).
+        tokens: tokens the step emitted over all rows (None: accepted + batch_size); a batch
+        generator draining a batch passes its progress to the end instead (B x the drop in
+        its longest row's budget: melix_mlx.batch_generator, `objective`).
         accepted_per_position: drafts accepted at positions 1..k, summed over rows.
         exclude: the step overlapped a prefill; count it, do not use its timing. The step
         after a verdict or depth change is excluded the same way: decoders build a step

@@ -236,6 +236,7 @@ class ServingResponseGenerator(ResponseGenerator):
             pending=self._pending,
             metrics=self.metrics,
             method=served.requested_method,
+            objective="throughput",  # requests keep arriving: every emitted token counts
             **options,
         )
         return self.batch_generator
