@@ -69,7 +69,8 @@ def _ops_recurrence(
 ) -> tuple[list[mx.array], list[mx.array]]:
     """mlx-lm's `gated_delta_update` -> `gated_delta_ops` without a Metal kernel: the gates
     over the whole block, then its compiled step per position. Building the gates once
-    per block (not per position) is the same arithmetic and a third less graph to build."""
+    per block (not per position) is the same arithmetic with fewer ops to build
+    (benchmarks/bench_capture_build.py)."""
     beta = mx.sigmoid(b)
     g = compute_g(layer.A_log, a, layer.dt_bias)
     rows, _, heads_k, dim_k = q.shape
