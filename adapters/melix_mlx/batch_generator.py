@@ -294,8 +294,8 @@ class MTPBatchGenerator(BatchSurface):
             if len(self.batch):
                 tic = time.perf_counter()
                 size = len(self.batch)
-                draining = self._draining()
-                budget = self._longest_budget()
+                draining = self.controller is not None and self._draining()
+                budget = self._longest_budget() if draining else 0  # only a controller reads it
                 generation = self._step()
                 # the live policy sees each step's period (a plain step runs between calls)
                 end = time.perf_counter()
