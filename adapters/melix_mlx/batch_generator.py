@@ -545,15 +545,17 @@ class MTPBatchGenerator(BatchSurface):
         depth = getattr(self.controller, "k", None) if self.controller is not None else None
         plans = []
         for i, (row, state) in enumerate(zip(rows, states)):
-            k = 0
+            k, keep = 0, None
             if row.state in lc.CYCLE_READY and state.refusal is None and self.head is not None:
                 remaining = state.max_tokens - state.num_generated
-                if before is not None:
+                if before is not None:  # the fewest that can remain after the step in flight
                     remaining -= before[i].k + 1
                 k = max(1, min(depth or state.k, state.k, remaining - 1))
+                if remaining - 1 < k:  # ends within this cycle: keep no token past its end
+                    keep = remaining - 1
             sampler = None if state.sampler is greedy_sampler else state.sampler
             history = state.history.upto() if state.history is not None else None
-            plans.append(RowPlan(k, state.params, sampler, state.processors, history))
+            plans.append(RowPlan(k, state.params, sampler, state.processors, history, keep))
         return plans
 
     def _step(self) -> list[MTPResponse]:
@@ -580,7 +582,7 @@ class MTPBatchGenerator(BatchSurface):
         else:
             B = len(rows)
             tokens = self.engine.settle_plain(step)
-            settled = Settled([0] * B, [[t] for t in tokens], step.logprobs[:, None], [[]] * B)
+            settled = Settled([0] * B, [[t] for t in tokens], step.logprobs[:, None], [[]] * B, [0] * B)
         self.row_forwards += len(rows)
         out = self._conclude(rows, states, plans, settled)
         self._fault_ahead()
@@ -638,10 +640,10 @@ class MTPBatchGenerator(BatchSurface):
         for i, row in enumerate(rows):
             state = states[i]
             tokens = settled.tokens[i]
-            a = settled.accepted[i]
-            state.context.extend([state.y, *tokens[:a]])
+            a, kept = settled.accepted[i], settled.kept[i]
+            state.context.extend([state.y, *tokens[:kept]])  # what the row's caches now hold
             if state.history is not None:
-                state.history.extend([state.y, *tokens[:a]])
+                state.history.extend([state.y, *tokens[:kept]])
             state.y = tokens[-1]
             for j, token in enumerate(tokens):
                 if self._emit(row.uid, state, token, settled.logprobs[i, j], j < a, out):

@@ -154,9 +154,12 @@ class MTPDecoder:
             self.controller = None
 
     # -- steps -----------------------------------------------------------------------
-    def _plan(self, k: int) -> RowPlan:
+    def _plan(self, k: int, remaining: int | None = None) -> RowPlan:
+        """The row's plan; a cycle that may run past `remaining` keeps at most remaining - 1
+        drafts, so the caches never hold a token the caller was not given."""
         history = self._history.upto(len(self._history) - 1) if self._history is not None else None
-        return RowPlan(k, self.params, self.sampler, self.processors, history)
+        keep = remaining - 1 if remaining is not None and remaining - 1 < k else None
+        return RowPlan(k, self.params, self.sampler, self.processors, history, keep)
 
     def _depth(self, remaining: int) -> int:
         """Drafts for the next cycle; 0 means the next step decodes plainly."""
@@ -192,7 +195,7 @@ class MTPDecoder:
         k = self._depth(remaining)
         if k > 0:
             try:
-                return self.engine.launch([self._plan(k)])
+                return self.engine.launch([self._plan(k, remaining)])
             except SpeculativeFault as fault:
                 self._fault(fault, k)
         return self._plain()
@@ -221,7 +224,7 @@ class MTPDecoder:
         if k == 0:
             return self._plain()
         try:
-            return self.engine.launch([self._plan(k)])
+            return self.engine.launch([self._plan(k, left)])
         except SpeculativeFault as fault:
             self._deferred_fault = (fault, k)
             return None

@@ -35,6 +35,10 @@ Rules of this module:
   a prefill form (melix_mlx.absorbed_mla: latent attention absorbed, not expanded over
   the whole context). Those layer variants are installed with the engine and inert
   outside a verify.
+- A row that ends within a cycle (`RowPlan.keep`) keeps at most `keep` drafts: an
+  accepted draft past that is the target's own token there and becomes its last token,
+  so caches hold nothing past it (mlx-lm's hand-back: every token but the last).
+  `accepted` stays the acceptance rule's count; `kept` is what the caches hold.
 - Rows with k = 0 ride along in a speculating batch as plain decode: their draft slots
   are padding, their accept count is forced to 0. When no row speculates, `plain`
   runs a plain [B, 1] forward instead; the hiddens wait as pending head pairs until
@@ -143,6 +147,9 @@ class RowPlan:
     sampler: Sampler | None  # how it draws a plain token (None: greedy argmax)
     processors: tuple = ()
     history: mx.array | None = None  # [n] tokens of its context before y (only with processors)
+    # most drafts it may keep: a row that ends within this cycle keeps no token past its end,
+    # so its caches hold exactly what it emitted (None: all k)
+    keep: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -172,8 +179,9 @@ class Flight:
     ks: list[int]
     inputs: mx.array  # [B, K + 1] y and drafts
     logprobs: mx.array  # [B, K + 1, V] processed log-probabilities
-    accepted: mx.array  # [B] accept counts
-    bonus: mx.array  # [B] the token after each row's accepted prefix
+    accepted: mx.array  # [B] accept counts (the acceptance rule's)
+    kept: mx.array  # [B] drafts each row keeps: accepted, capped by RowPlan.keep
+    bonus: mx.array  # [B] the token after each row's kept prefix
     next_draft: mx.array  # [B]
     next_q: list[mx.array | None]
     next_hidden: mx.array  # [B, 1, D]
@@ -221,10 +229,11 @@ class PlainStep:
 class Settled:
     """A settled cycle: host values per row."""
 
-    accepted: list[int]
-    tokens: list[list[int]]  # per row: accepted drafts then the bonus token
+    accepted: list[int]  # per row: drafts the acceptance rule accepted
+    tokens: list[list[int]]  # per row: its kept drafts then the bonus token
     logprobs: mx.array  # [B, K + 1, V]
     drafts: list[list[int]]  # per row: the k drafts it proposed (accepted or not)
+    kept: list[int]  # per row: drafts its caches keep (accepted, capped by RowPlan.keep)
 
 
 class CycleEngine:
@@ -355,7 +364,7 @@ class CycleEngine:
         try:
             flight = self._build(plans, ks, K, B, cp, head_cp, before)
             t1 = time.perf_counter()
-            mx.async_eval(flight.accepted, flight.bonus, flight.inputs, flight.next_draft)
+            mx.async_eval(flight.accepted, flight.kept, flight.bonus, flight.inputs, flight.next_draft)
         except BaseException as exc:
             rollback.restore(self.cache, cp)
             rollback.restore(self.head_cache, head_cp)
@@ -440,17 +449,18 @@ class CycleEngine:
         if self.agreement is not None:  # one exchange for both
             both = self.agreed(mx.stack([accepted.astype(mx.int32), bonus.astype(mx.int32)]))
             accepted, bonus = both[0], both[1].astype(bonus.dtype)
+        kept, bonus = self._kept(plans, ks, K, drafts, accepted, bonus)
         if armed:
-            capture.select(armed, steps, accepted + 1)
+            capture.select(armed, steps, kept + 1)
         in_graph = rollback.in_graph(self.cache) and rollback.in_graph(self.head_cache)
         if in_graph:  # the next step may be built before this one's outcome is on the host
-            rollback.drop_row_suffixes(self.cache, K - accepted, skip_recurrent=True)
+            rollback.drop_row_suffixes(self.cache, K - kept, skip_recurrent=True)
         # 4. the head: drop the chained entries, catch up on the verified block, draft next
         if K > 1 and chain_step is None:
             rollback.trim_all(self.head_cache, K - 1)
         pos = mx.arange(K + 1)[None]
         padded = mx.concatenate([drafts, mx.zeros((B, 1), mx.uint32)], axis=1)
-        pair_tokens = mx.where(pos < accepted[:, None], padded, bonus[:, None].astype(mx.uint32))
+        pair_tokens = mx.where(pos < kept[:, None], padded, bonus[:, None].astype(mx.uint32))
         marked = absorbed_mla.arm(rollback.leaves(self.head_cache))
         try:
             head_logits, head_hidden = _forward(self.head, hidden, pair_tokens, self.head_cache)
@@ -458,8 +468,8 @@ class CycleEngine:
             absorbed_mla.disarm(marked)
         self.head_forwards += 1
         if in_graph:
-            rollback.drop_row_suffixes(self.head_cache, K - accepted)
-        at = accepted[:, None, None]
+            rollback.drop_row_suffixes(self.head_cache, K - kept)
+        at = kept[:, None, None]
         next_draft, next_q = self._draw(mx.take_along_axis(head_logits, at, axis=1)[:, 0], params)
         return Flight(
             K=K,
@@ -467,6 +477,7 @@ class CycleEngine:
             inputs=inputs,
             logprobs=logprobs,
             accepted=accepted,
+            kept=kept,
             bonus=bonus,
             next_draft=next_draft.astype(mx.uint32),
             next_q=next_q,
@@ -522,6 +533,21 @@ class CycleEngine:
             bonus = mx.where(rows == i, token.astype(bonus.dtype), bonus)
         return accepted, bonus
 
+    @staticmethod
+    def _kept(plans, ks, K, drafts, accepted, bonus) -> tuple[mx.array, mx.array]:
+        """Drafts each row keeps [B] and the token after them [B] (RowPlan.keep).
+
+        An accepted draft past a row's cap is the target's own token there (its argmax, or
+        a sample the speculative rule accepted), so it becomes the row's last token.
+        """
+        caps = [k if p.keep is None else min(p.keep, k) for p, k in zip(plans, ks)]
+        if caps == list(ks):
+            return accepted, bonus
+        cap = mx.array(caps)
+        over = accepted > cap
+        at_cap = mx.take_along_axis(drafts, mx.minimum(cap, K - 1)[:, None], axis=1)[:, 0]
+        return mx.where(over, cap, accepted), mx.where(over, at_cap.astype(bonus.dtype), bonus)
+
     def settle(self, flight: Flight) -> Settled:
         """The cycle's one sync; trims the caches to each row's accepted prefix.
 
@@ -531,16 +557,16 @@ class CycleEngine:
         self._check_next(flight)
         t0 = time.perf_counter()
         try:
-            mx.eval(flight.accepted, flight.bonus, flight.inputs, flight.next_draft)
+            mx.eval(flight.accepted, flight.kept, flight.bonus, flight.inputs, flight.next_draft)
         except Exception as exc:
             self._undo(flight)
             raise self._fault(exc, True) from exc
         t1 = time.perf_counter()
         self._in_flight.pop(0)
-        accepted = flight.accepted.tolist()
+        accepted, kept = flight.accepted.tolist(), flight.kept.tolist()
         fed = flight.inputs.tolist()
         bonus = flight.bonus.tolist()
-        drop = [flight.K - a for a in accepted]
+        drop = [flight.K - a for a in kept]
         if flight.in_graph:  # rolled back in the graph: the host learns how far
             last = not self._in_flight  # nothing written since: shared holes end the buffer
             rollback.count_holes(self.cache, drop, at_tail=last)
@@ -551,7 +577,7 @@ class CycleEngine:
         else:  # recurrent leaves already hold their captured states (selected in the graph)
             rollback.drop_row_suffixes(self.cache, drop, skip_recurrent=True)
             rollback.drop_row_suffixes(self.head_cache, drop)
-        tokens = [fed[i][1 : a + 1] + [bonus[i]] for i, a in enumerate(accepted)]
+        tokens = [fed[i][1 : a + 1] + [bonus[i]] for i, a in enumerate(kept)]
         drafts = [fed[i][1 : 1 + k] for i, k in enumerate(flight.ks)]
         if self.clock is not None:
             clock = self.clock
@@ -559,7 +585,7 @@ class CycleEngine:
             clock.cycles += 1
             clock.sync += t1 - t0
             clock.rollback += clock._last_settle - t1
-        return Settled(accepted, tokens, flight.logprobs, drafts)
+        return Settled(accepted, tokens, flight.logprobs, drafts, kept)
 
     def abandon(self, step: Flight | PlainStep) -> None:
         """Undo a launched step that will never be settled (the consumer stopped, or the

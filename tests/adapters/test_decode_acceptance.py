@@ -7,7 +7,7 @@ is deliberately wrong at known positions forces partial acceptance and rollbacks
 the output must still equal mlx-lm's, for every cache kind (qwen3_5 selects its
 recurrent layers' state captured inside the verify, the others trim; nothing replays).
 The head cache holds exactly confirmed pairs: a prefix of mlx-lm's continuation (the last
-cycle may confirm a token past `max_tokens`, which is never yielded).
+cycle keeps no draft past `max_tokens`: test_cache_handback.py).
 """
 
 from __future__ import annotations
