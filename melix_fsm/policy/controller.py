@@ -428,16 +428,17 @@ class LiveController:
         cfg = self.config
         if self._timed and self.depth.exploring is None and self.step >= self._next_plain_probe:
             est = self.estimate(batch_size)
-            # the calibrated plain is a measurement only at a calibrated batch size
-            calibrated_here = (
-                any(t.batch_size == batch_size for t in self.table.entries) if self.table else False
-            )
             ahead = est.source == "measured_spec" and self._above(est, cfg.defer_plain_above)
-            if not self._deferred and calibrated_here and ahead:
+            if not self._deferred and self._calibrated_at(batch_size) and ahead:
                 # clearly ahead of the calibrated plain: the first plain window can wait (once)
                 self._deferred = True
                 self._next_plain_probe = self.step + self._plain_wait
                 return
+            self._start_probe("plain", batch_size)
+            return
+        if self._behind_calibrated_plain(batch_size):
+            # the prior admitted what measures clearly slower than the calibrated plain:
+            # measure the plain side now rather than after first_probe_after steps
             self._start_probe("plain", batch_size)
             return
         if self.step % cfg.every or not self._dwelt():
@@ -458,6 +459,21 @@ class LiveController:
         self.counters.suspend_decisions += 1
         self._next_spec_probe = self.step + self._spec_wait
         self._record(Action.suspend, reason, batch_size, est)
+
+    def _calibrated_at(self, batch_size: int) -> bool:
+        """The calibrated plain is a measurement only at a calibrated batch size."""
+        return any(t.batch_size == batch_size for t in self.table.entries) if self.table else False
+
+    def _behind_calibrated_plain(self, batch_size: int) -> bool:
+        """Before the first plain probe: speculation, measured, is clearly below the
+        calibrated plain (checked every `every` steps, like the verdicts)."""
+        cfg = self.config
+        if not self._timed or self.depth.exploring is not None or self.counters.plain_probes:
+            return False
+        if self.step % cfg.every or not self._calibrated_at(batch_size):
+            return False
+        est = self.estimate(batch_size)
+        return est.source == "measured_spec" and self._below(est, cfg.suspend_below)
 
     def _while_off(self, batch_size: int) -> None:
         cfg = self.config

@@ -63,6 +63,7 @@ class LiveConfig(msgspec.Struct, frozen=True, kw_only=True):
     min_dwell: int = 16  # steps after a policy switch before the next one
     first_probe_after: int = 16  # steps before the first plain probe of a start the prior admitted, except:
     defer_plain_above: float = 1.25  # speculation clearly beats the calibrated plain: first plain probe later
+    # (and clearly below suspend_below against the calibrated plain: the first plain probe at once)
     # steps before the first speculative probe of a start the prior disabled: the prior is
     # evidence, and a probe that loses costs a visible share of a short run
     first_spec_probe_after: int = 64

@@ -182,6 +182,23 @@ def test_a_probe_that_measures_no_faster_ends_at_its_first_look():
     assert sum(r == LiveReason.probe_passed for _, r in faster) >= 35
 
 
+def test_a_start_measuring_clearly_behind_the_calibrated_plain_probes_plain_at_once():
+    """The prior admitted, speculation measures ~0.6x of the calibrated plain: the plain
+    probe starts at the first look with enough samples, not after first_probe_after
+    steps (a third of a 64-token fixed batch's run), and the verdict is still two-sided."""
+    world = World(cycle_s=lambda k: 4.0)  # E = 2.44 tokens at k = 2: 0.61x
+    ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2)
+    run(world, ctrl, CFG.first_probe_after + CFG.probe_steps)
+    probe = next(e for e in ctrl.events if e.reason == LiveReason.plain_probe)
+    assert probe.step <= 2 * CFG.every < CFG.first_probe_after
+    suspended = next(e for e in ctrl.events if e.reason == LiveReason.measured_slower)
+    assert suspended.source == "measured" and suspended.step < CFG.first_probe_after
+    # a start that measures about as fast as the calibrated plain waits as before
+    ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2)
+    run(World(cycle_s=lambda k: 2.44), ctrl, CFG.first_probe_after - 1)
+    assert ctrl.counters.plain_probes == 0
+
+
 def test_probes_cost_little_where_the_prior_is_sure():
     # speculation clearly beats the calibrated plain at a calibrated batch size: the
     # first plain window waits (once), so a short run loses nothing to it
