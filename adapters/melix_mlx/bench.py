@@ -18,8 +18,10 @@ Rules of this module:
   auto / max(plain, forced on) per repeat.
 - Ideal: E[tokens per cycle] / ((t_verify + k t_head) / t_1) from this run's calibrated
   timings and the cell's measured per-position acceptance; efficiency = measured ratio /
-  ideal. Each batch size is calibrated at the context its cells' caches hold mid-run
-  (a batch is left-padded to its longest prompt, plus half the generated tokens).
+  ideal, each repeat against its own run's acceptance (single cells decode a different
+  prompt per repeat), the median reported. Each batch size is calibrated at the context
+  its cells' caches hold mid-run (a batch is left-padded to its longest prompt, plus
+  half the generated tokens).
   The per-cycle breakdown puts the calibrated verify and head times beside the
   engine's measured host times (graph build, dispatch, sync wait, rollback, caller's
   bookkeeping) and the host time no device work covered: cycle - (t_verify + k t_head).
@@ -56,6 +58,7 @@ import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, stream_generate
 from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
 
+from melix_fsm.counters import Counters, total
 from melix_fsm.policy.controller import LiveController
 from melix_fsm.policy.cost_model import TimingTable, acceptance_prior, expected_tokens_from_positions
 from melix_fsm.policy.decision import Policy, decide
@@ -201,7 +204,7 @@ class Bench:
     def batch_cell(self, batch_size: int, k: int, temp: float, deepest: bool = False) -> Cell:
         cell = Cell("batch", batch_size, k, temp)
         prompts = self._prompts(batch_size * self.requests_per_slot)
-        spec_stats = None
+        spec_stats: list[dict[str, Any]] = []
         clock = CycleClock()
         auto: list[float] = []
         auto_depth: list[float] = []
@@ -252,7 +255,7 @@ class Bench:
             out = _interleaved(r, runs)
             (b_tps, b_mem), (m_tps, m_mem, gen) = out["plain"], out["mtp"]
             stats = gen.speculative_stats()
-            spec_stats = stats if spec_stats is None else spec_stats
+            spec_stats.append(stats)
             cell.samples.append((b_tps, m_tps))
             if controller is not None:
                 auto.append(out["auto"][0])
@@ -321,6 +324,7 @@ class Bench:
     def single_cell(self, k: int, temp: float, deepest: bool = False) -> Cell:
         cell = Cell("single", 1, k, temp)
         last = None
+        runs_stats: list[dict[str, Any]] = []
         clock = CycleClock()
         auto: list[float] = []
         auto_depth: list[float] = []
@@ -350,11 +354,12 @@ class Bench:
             cell.peak_memory_gb = max(cell.peak_memory_gb, m_mem)
             cell.baseline_peak_memory_gb = max(cell.baseline_peak_memory_gb, b_mem)
             stats = last.stats
+            runs_stats.append(stats)
             forwards = stats["target_forwards"] + stats["replay_forwards"]
             cell.target_forwards_per_token = forwards / max(last.generation_tokens, 1)
             cell.replay_forwards += stats["replay_forwards"]
             self.progress(1)
-        self._finish(cell, last.stats if last is not None else None, clock)
+        self._finish(cell, runs_stats, clock)
         self._auto(cell, auto, auto_share, auto_depth, depth_k)
         return cell
 
@@ -397,24 +402,33 @@ class Bench:
         cell.draft_token_share = accepted / total if total else None
         return cell
 
-    def _finish(self, cell: Cell, stats: dict[str, Any] | None, clock: CycleClock) -> None:
+    def _finish(self, cell: Cell, runs: list[dict[str, Any]], clock: CycleClock) -> None:
+        """Ratios, acceptance and the ideal from the forced-on runs' stats, one per repeat.
+
+        Each repeat's ratio is set against the ideal of its own acceptance (repeats may
+        decode different prompts): efficiency is the median of those quotients.
+        """
         ratios = [m / b for b, m in cell.samples if b > 0]
         cell.baseline_tps = _median(b for b, _ in cell.samples)
         cell.tps = _median(m for _, m in cell.samples)
         cell.ratio = _median(ratios)
         cell.ratio_min, cell.ratio_max = (min(ratios), max(ratios)) if ratios else (0.0, 0.0)
-        if stats is None:
+        if not runs:
             return
-        cell.acceptance_rate = stats.get("acceptance_rate")
-        cell.mean_acceptance_length = stats.get("mean_acceptance_length")
-        cell.per_position_acceptance = list(stats.get("per_position_acceptance") or [])[: cell.k]
+        pooled = total([Counters(**{f: r[f] for f in Counters.__struct_fields__}) for r in runs])
+        cell.acceptance_rate = pooled.acceptance_rate
+        cell.mean_acceptance_length = pooled.mean_acceptance_length
+        cell.per_position_acceptance = pooled.per_position_acceptance[: cell.k]
         table = self.timings.get(cell.k)
         if table is None or not cell.per_position_acceptance:
             return
-        timings, _ = table.at(cell.batch_size)
-        tokens = expected_tokens_from_positions(cell.per_position_acceptance)
-        cell.ideal_ratio = tokens / timings.cycle_cost
-        cell.efficiency = cell.ratio / cell.ideal_ratio
+        timings = table.at(cell.batch_size)[0]
+        cost = timings.cycle_cost
+        ideals = [expected_tokens_from_positions(r["per_position_acceptance"][: cell.k]) / cost for r in runs]
+        cell.ideal_ratio = _median(ideals)
+        cell.efficiency = _median(
+            m / b / ideal for (b, m), ideal in zip(cell.samples, ideals) if b > 0 and ideal > 0
+        )
         if clock.cycles:
             parts = clock.per_cycle()
             cycle = sum(parts.values())

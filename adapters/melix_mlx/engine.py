@@ -38,7 +38,8 @@ Rules of this module:
 - A row that ends within a cycle (`RowPlan.keep`) keeps at most `keep` drafts: an
   accepted draft past that is the target's own token there and becomes its last token,
   so caches hold nothing past it (mlx-lm's hand-back: every token but the last).
-  `accepted` stays the acceptance rule's count; `kept` is what the caches hold.
+  `accepted` counts the accepted drafts the row emits (the one past the cap included);
+  `kept` is what the caches hold.
 - Rows with k = 0 ride along in a speculating batch as plain decode: their draft slots
   are padding, their accept count is forced to 0. When no row speculates, `plain`
   runs a plain [B, 1] forward instead; the hiddens wait as pending head pairs until
@@ -179,7 +180,7 @@ class Flight:
     ks: list[int]
     inputs: mx.array  # [B, K + 1] y and drafts
     logprobs: mx.array  # [B, K + 1, V] processed log-probabilities
-    accepted: mx.array  # [B] accept counts (the acceptance rule's)
+    accepted: mx.array  # [B] accept counts: drafts the acceptance rule accepted and the row emits
     kept: mx.array  # [B] drafts each row keeps: accepted, capped by RowPlan.keep
     bonus: mx.array  # [B] the token after each row's kept prefix
     next_draft: mx.array  # [B]
@@ -229,7 +230,7 @@ class PlainStep:
 class Settled:
     """A settled cycle: host values per row."""
 
-    accepted: list[int]  # per row: drafts the acceptance rule accepted
+    accepted: list[int]  # per row: drafts the acceptance rule accepted that the row emits
     tokens: list[list[int]]  # per row: its kept drafts then the bonus token
     logprobs: mx.array  # [B, K + 1, V]
     drafts: list[list[int]]  # per row: the k drafts it proposed (accepted or not)
@@ -449,7 +450,7 @@ class CycleEngine:
         if self.agreement is not None:  # one exchange for both
             both = self.agreed(mx.stack([accepted.astype(mx.int32), bonus.astype(mx.int32)]))
             accepted, bonus = both[0], both[1].astype(bonus.dtype)
-        kept, bonus = self._kept(plans, ks, K, drafts, accepted, bonus)
+        accepted, kept, bonus = self._kept(plans, ks, K, drafts, accepted, bonus)
         if armed:
             capture.select(armed, steps, kept + 1)
         in_graph = rollback.in_graph(self.cache) and rollback.in_graph(self.head_cache)
@@ -534,19 +535,22 @@ class CycleEngine:
         return accepted, bonus
 
     @staticmethod
-    def _kept(plans, ks, K, drafts, accepted, bonus) -> tuple[mx.array, mx.array]:
-        """Drafts each row keeps [B] and the token after them [B] (RowPlan.keep).
+    def _kept(plans, ks, K, drafts, accepted, bonus) -> tuple[mx.array, mx.array, mx.array]:
+        """Accepted drafts that are emitted [B], drafts kept [B] and the token after them
+        [B] (RowPlan.keep).
 
         An accepted draft past a row's cap is the target's own token there (its argmax, or
-        a sample the speculative rule accepted), so it becomes the row's last token.
+        a sample the speculative rule accepted), so it becomes the row's last token: the
+        row emits at most cap + 1 drafts, and only those count as accepted.
         """
         caps = [k if p.keep is None else min(p.keep, k) for p, k in zip(plans, ks)]
         if caps == list(ks):
-            return accepted, bonus
+            return accepted, accepted, bonus
         cap = mx.array(caps)
         over = accepted > cap
         at_cap = mx.take_along_axis(drafts, mx.minimum(cap, K - 1)[:, None], axis=1)[:, 0]
-        return mx.where(over, cap, accepted), mx.where(over, at_cap.astype(bonus.dtype), bonus)
+        emitted = mx.minimum(accepted, cap + 1)
+        return emitted, mx.where(over, cap, accepted), mx.where(over, at_cap.astype(bonus.dtype), bonus)
 
     def settle(self, flight: Flight) -> Settled:
         """The cycle's one sync; trims the caches to each row's accepted prefix.

@@ -7,10 +7,17 @@ data, no replay, and that the order alternates between repeats.
 
 from __future__ import annotations
 
+import math
+
 from melix_mlx.bench import Bench, _interleaved
+from melix_mlx.bench_results import Cell
 from melix_mlx.checkpoints import resolve_model
+from melix_mlx.cycle_clock import CycleClock
 from melix_mlx.loading import load_with_heads
 from melix_mlx.workloads import Prompt
+
+from melix_fsm.counters import Counters
+from melix_fsm.policy.cost_model import Timings, TimingTable
 
 
 def test_repeats_alternate_their_order():
@@ -45,3 +52,19 @@ def test_cells_record_every_side_once_per_repeat():
         assert cell.auto_tps is not None and cell.auto_over_plain is not None
         assert cell.auto_depth_over_plain is not None and cell.auto_depth_k in (1, 2)
         assert cell.replay_forwards == 0 and cell.ratio_min <= cell.ratio <= cell.ratio_max
+
+
+def test_each_repeat_is_set_against_the_ideal_of_its_own_acceptance():
+    """Single cells decode a different prompt per repeat: a repeat that accepted every
+    draft and one that accepted none each ran at 0.875 of their own ideal, which is the
+    efficiency; acceptance is pooled over the repeats."""
+    bench = object.__new__(Bench)
+    bench.timings = {1: TimingTable.of(Timings(t_1=1.0, t_verify=1.5, t_head=0.25, k=1))}  # cost 1.75
+    every = Counters(cycles=10, proposed=10, accepted=10, position_proposed=[10], position_accepted=[10])
+    none = Counters(cycles=10, proposed=10, rejected=10, position_proposed=[10], position_accepted=[0])
+    cell = Cell("single", 1, 1, 0.0)
+    cell.samples = [(100.0, 100.0), (100.0, 50.0)]  # ratios 1.0 and 0.5
+    bench._finish(cell, [every.summary(), none.summary()], CycleClock())
+    assert cell.acceptance_rate == 0.5 and cell.per_position_acceptance == [0.5]
+    assert math.isclose(cell.efficiency, 0.875)  # 1.0 / (2 / 1.75) and 0.5 / (1 / 1.75)
+    assert math.isclose(cell.ideal_ratio, (2 / 1.75 + 1 / 1.75) / 2)

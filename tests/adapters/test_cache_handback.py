@@ -106,6 +106,7 @@ def test_a_draft_past_the_cap_becomes_the_last_token(temp: float) -> None:
     for keep, want in ((None, (2, 11)), (1, (1, 7)), (0, (0, 3))):
         plan = RowPlan(2, params, sampler, keep=keep)
         accepted, bonus = CycleEngine._accept(None, [plan], [2], 2, drafts, q, logprobs)
-        kept, last = CycleEngine._kept([plan], [2], 2, drafts, accepted, bonus)
-        assert accepted.item() == 2  # the rule's count is reported as it decided
+        emitted, kept, last = CycleEngine._kept([plan], [2], 2, drafts, accepted, bonus)
+        assert accepted.item() == 2  # the rule accepted both ...
+        assert emitted.item() == min(2, want[0] + 1)  # ... the row emits what it keeps, then one
         assert (kept.item(), last.item()) == want
