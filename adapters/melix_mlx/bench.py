@@ -14,8 +14,9 @@ Rules of this module:
   model (batch 1).
 - Each cell runs, interleaved: plain (mlx-lm), MTP forced on, and MTP under the device
   policy's `auto` (the live controller `generate --device-policy auto` would run, primed
-  by this run's calibration); at the deepest k also `auto` depth. `auto_over_best` is
-  auto / max(plain, forced on) per repeat.
+  by this run's calibration, or disabled by its typed failure: then auto is the plain
+  path and the gate says `disabled`); at the deepest k also `auto` depth. `auto_over_best`
+  is auto / max(plain, forced on) per repeat.
 - Ideal: E[tokens per cycle] / ((t_verify + k t_head) / t_1) from this run's calibrated
   timings and the cell's measured per-position acceptance; efficiency = measured ratio /
   ideal, each repeat against its own run's acceptance (single cells decode a different
@@ -62,6 +63,7 @@ from melix_fsm.counters import Counters, total
 from melix_fsm.policy.controller import LiveController
 from melix_fsm.policy.cost_model import TimingTable, acceptance_prior, expected_tokens_from_positions
 from melix_fsm.policy.decision import Policy, decide
+from melix_fsm.policy.errors import CalibrationError
 
 from .batch_generator import MTPBatchGenerator
 from .bench_results import Cell, DraftCell, msgspec_builtins, regime
@@ -138,6 +140,8 @@ class Bench:
         self.workload_prompts = list(prompts)
         self.prompts = [tokenizer.encode(p.text) for p in self.workload_prompts]
         self.timings: dict[int, TimingTable] = {}
+        # a calibration that failed: auto runs disabled there, as `generate` would
+        self.failures: dict[int, CalibrationError] = {}
 
     def context(self, batch_size: int) -> int:
         """Tokens the cell's cache holds mid-run: attention costs grow with it. A batch's
@@ -162,6 +166,7 @@ class Bench:
                 self.timings[k] = table
                 out[str(k)] = [msgspec_builtins(t) for t in table.entries]
             else:
+                self.failures[k] = failed
                 out[str(k)] = {"error": failed.reason, "detail": str(failed)}
         return out
 
@@ -175,12 +180,14 @@ class Bench:
 
     # -- the auto policy, as `generate --device-policy auto` runs it ------------------
     def _decision(self, k: int, batch_size: int) -> Any:
+        """auto's admission at (k, B): from the calibration, or disabled by its typed failure
+        (None: not calibrated at all)."""
         table = self.timings.get(k)
-        if table is None:
+        measured = self.failures.get(k) if table is None else table.at(batch_size)[0]
+        if measured is None:
             return None, None
-        timings, _ = table.at(batch_size)
         prior = acceptance_prior(self.family)
-        return decide(timings, Policy.auto, prior), prior
+        return decide(measured, Policy.auto, prior), prior
 
     def _gate(self, k: int, batch_size: int) -> str | None:
         decision, _ = self._decision(k, batch_size)
@@ -191,7 +198,7 @@ class Bench:
         if decision is None:
             return None
         return LiveController(
-            self.timings[k],
+            self.timings.get(k) or self.failures[k],
             prior=prior,
             policy=Policy.auto,
             depth=depth if depth is not None else k,

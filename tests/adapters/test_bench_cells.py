@@ -18,6 +18,7 @@ from melix_mlx.workloads import Prompt
 
 from melix_fsm.counters import Counters
 from melix_fsm.policy.cost_model import Timings, TimingTable
+from melix_fsm.policy.errors import CalibrationError
 
 
 def test_repeats_alternate_their_order():
@@ -68,3 +69,16 @@ def test_each_repeat_is_set_against_the_ideal_of_its_own_acceptance():
     assert cell.acceptance_rate == 0.5 and cell.per_position_acceptance == [0.5]
     assert math.isclose(cell.efficiency, 0.875)  # 1.0 / (2 / 1.75) and 0.5 / (1 / 1.75)
     assert math.isclose(cell.ideal_ratio, (2 / 1.75 + 1 / 1.75) / 2)
+
+
+def test_a_failed_calibration_runs_auto_disabled_as_generate_would():
+    """The bench's auto side is the controller `generate --device-policy auto` builds: a
+    calibration that failed (noise poisoned it) disables it, so its cells measure what a
+    user gets there (plain), with the gate saying so, instead of dropping the auto runs."""
+    bench = object.__new__(Bench)
+    bench.family, bench.timings = "deepseek_v3", {}
+    bench.failures = {1: CalibrationError("measurement_poisoned", "t_1 samples spread 33%")}
+    controller = bench._controller(1, 4)
+    assert controller is not None and controller.disabled and not controller.speculating
+    assert bench._gate(1, 4) == "disabled"
+    assert bench._controller(2, 4) is None and bench._gate(2, 4) is None  # never calibrated
