@@ -545,17 +545,16 @@ class MTPBatchGenerator(BatchSurface):
         depth = getattr(self.controller, "k", None) if self.controller is not None else None
         plans = []
         for i, (row, state) in enumerate(zip(rows, states)):
-            k, keep = 0, None
+            k, remaining = 0, None
             if row.state in lc.CYCLE_READY and state.refusal is None and self.head is not None:
                 remaining = state.max_tokens - state.num_generated
                 if before is not None:  # the fewest that can remain after the step in flight
                     remaining -= before[i].k + 1
                 k = max(1, min(depth or state.k, state.k, remaining - 1))
-                if remaining - 1 < k:  # ends within this cycle: keep no token past its end
-                    keep = remaining - 1
             sampler = None if state.sampler is greedy_sampler else state.sampler
             history = state.history.upto() if state.history is not None else None
-            plans.append(RowPlan(k, state.params, sampler, state.processors, history, keep))
+            # `remaining` caps the drafts a row ending in this cycle keeps (RowPlan.keep)
+            plans.append(RowPlan(k, state.params, sampler, state.processors, history, remaining))
         return plans
 
     def _step(self) -> list[MTPResponse]:

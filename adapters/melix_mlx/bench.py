@@ -56,6 +56,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import msgspec
 from mlx_lm.generate import BatchGenerator, stream_generate
 from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
 
@@ -422,7 +423,7 @@ class Bench:
         cell.ratio_min, cell.ratio_max = (min(ratios), max(ratios)) if ratios else (0.0, 0.0)
         if not runs:
             return
-        pooled = total([Counters(**{f: r[f] for f in Counters.__struct_fields__}) for r in runs])
+        pooled = total([msgspec.convert(r, Counters) for r in runs])  # derived keys are ignored
         cell.acceptance_rate = pooled.acceptance_rate
         cell.mean_acceptance_length = pooled.mean_acceptance_length
         cell.per_position_acceptance = pooled.per_position_acceptance[: cell.k]

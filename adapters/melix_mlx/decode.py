@@ -155,11 +155,10 @@ class MTPDecoder:
 
     # -- steps -----------------------------------------------------------------------
     def _plan(self, k: int, remaining: int | None = None) -> RowPlan:
-        """The row's plan; a cycle that may run past `remaining` keeps at most remaining - 1
-        drafts, so the caches never hold a token the caller was not given."""
+        """The row's plan; `remaining` caps the drafts a cycle keeps (RowPlan.keep), so the
+        caches never hold a token the caller was not given."""
         history = self._history.upto(len(self._history) - 1) if self._history is not None else None
-        keep = remaining - 1 if remaining is not None and remaining - 1 < k else None
-        return RowPlan(k, self.params, self.sampler, self.processors, history, keep)
+        return RowPlan(k, self.params, self.sampler, self.processors, history, remaining)
 
     def _depth(self, remaining: int) -> int:
         """Drafts for the next cycle; 0 means the next step decodes plainly."""

@@ -35,7 +35,8 @@ Rules of this module:
   a prefill form (melix_mlx.absorbed_mla: latent attention absorbed, not expanded over
   the whole context). Those layer variants are installed with the engine and inert
   outside a verify.
-- A row that ends within a cycle (`RowPlan.keep`) keeps at most `keep` drafts: an
+- A row that ends within a cycle (`RowPlan.remaining` tokens left) keeps at most
+  `RowPlan.keep` = remaining - 1 drafts: an
   accepted draft past that is the target's own token there and becomes its last token,
   so caches hold nothing past it (mlx-lm's hand-back: every token but the last).
   `accepted` counts the accepted drafts the row emits (the one past the cap included);
@@ -148,9 +149,15 @@ class RowPlan:
     sampler: Sampler | None  # how it draws a plain token (None: greedy argmax)
     processors: tuple = ()
     history: mx.array | None = None  # [n] tokens of its context before y (only with processors)
-    # most drafts it may keep: a row that ends within this cycle keeps no token past its end,
-    # so its caches hold exactly what it emitted (None: all k)
-    keep: int | None = None
+    remaining: int | None = None  # the fewest tokens the row may still emit (None: no limit)
+
+    @property
+    def keep(self) -> int | None:
+        """Most drafts the row may keep: one that ends within this cycle keeps no token past
+        its end, so its caches hold exactly what it emitted (None: all k)."""
+        if self.remaining is None or self.remaining - 1 >= self.k:
+            return None
+        return max(0, self.remaining - 1)
 
     @property
     def greedy(self) -> bool:

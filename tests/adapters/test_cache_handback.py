@@ -104,7 +104,8 @@ def test_a_draft_past_the_cap_becomes_the_last_token(temp: float) -> None:
     params = SamplingParams(temp=temp)
     sampler = None if temp == 0 else (lambda lp: mx.random.categorical(lp))
     for keep, want in ((None, (2, 11)), (1, (1, 7)), (0, (0, 3))):
-        plan = RowPlan(2, params, sampler, keep=keep)
+        plan = RowPlan(2, params, sampler, remaining=None if keep is None else keep + 1)
+        assert plan.keep == keep
         accepted, bonus = CycleEngine._accept(None, [plan], [2], 2, drafts, q, logprobs)
         emitted, kept, last = CycleEngine._kept([plan], [2], 2, drafts, accepted, bonus)
         assert accepted.item() == 2  # the rule accepted both ...
