@@ -61,6 +61,7 @@ from mlx_lm.generate import BatchGenerator, stream_generate
 from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
 
 from melix_fsm.counters import Counters, total
+from melix_fsm.policy.calibration import DEFAULT_BUDGET_S
 from melix_fsm.policy.controller import LiveController
 from melix_fsm.policy.cost_model import TimingTable, acceptance_prior, expected_tokens_from_positions
 from melix_fsm.policy.decision import Policy, decide
@@ -156,19 +157,24 @@ class Bench:
 
     def calibrate(self, batch_sizes: Sequence[int], ks: Sequence[int]) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        contexts = {b: self.context(b) for b in batch_sizes}
         for k in ks:
-            tables = [
-                calibrate(self.model, self.head, batch_sizes=(b,), k=k, runs=9, context=self.context(b))
-                for b in batch_sizes
-            ]
-            failed = next((t for t in tables if not isinstance(t, TimingTable)), None)
-            if failed is None:
-                table = TimingTable.of(*(e for t in tables for e in t.entries))
+            # all sizes in one calibration: their figures are checked against each other
+            table = calibrate(
+                self.model,
+                self.head,
+                batch_sizes=batch_sizes,
+                k=k,
+                runs=9,
+                context=contexts,
+                budget_s=DEFAULT_BUDGET_S * len(batch_sizes),
+            )
+            if isinstance(table, TimingTable):
                 self.timings[k] = table
                 out[str(k)] = [msgspec_builtins(t) for t in table.entries]
             else:
-                self.failures[k] = failed
-                out[str(k)] = {"error": failed.reason, "detail": str(failed)}
+                self.failures[k] = table
+                out[str(k)] = {"error": table.reason, "detail": str(table)}
         return out
 
     def _prompts(self, batch_size: int) -> list[list[int]]:

@@ -14,20 +14,28 @@ Rules of this module:
   need all ranks), then `agree` replaces every rank's figures by rank 0's, so all ranks
   take the same on/off decision and verify shapes never diverge.
 - Every failure while building or timing comes back as a typed `CalibrationError`.
+- Batch sizes calibrated together are checked against each other, and in one process a
+  poisoned or contradicting size is measured once more (`policy.calibration.measure_table`).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from melix_fsm.policy.calibration import DEFAULT_BUDGET_S, DEFAULT_RUNS, DEFAULT_WARMUP, measure
+from melix_fsm.policy.calibration import (
+    DEFAULT_BUDGET_S,
+    DEFAULT_RUNS,
+    DEFAULT_WARMUP,
+    measure,
+    measure_table,
+)
 from melix_fsm.policy.cost_model import Timings, TimingTable
 from melix_fsm.policy.errors import CalibrationError
 
@@ -106,47 +114,49 @@ def calibrate(
     budget_s: float = DEFAULT_BUDGET_S,
     timer: Callable[[], float] = time.perf_counter,
     group: Any = None,
-    context: int = PROMPT_LEN,
+    context: int | Mapping[int, int] = PROMPT_LEN,
 ) -> TimingTable | CalibrationError:
     """Measure at each batch size; a table of rank 0's figures, or the typed failure.
 
-    `budget_s` bounds the whole calibration: each batch size gets what the previous ones
+    `budget_s` bounds the whole calibration: each measurement gets what the previous ones
     left. `group`: an mx.distributed group to agree over (None: this process alone).
     `context`: tokens already in the cache when timing (attention grows with it; a bench
-    calibrates at its prompts' length).
+    calibrates at its prompts' length), one for all batch sizes or one per batch size.
+    In one process a poisoned measurement, or batch sizes whose figures contradict each
+    other, are measured once more (`melix_fsm.policy.calibration.measure_table`).
 
     Under a group of several ranks every rank runs every forward (a rank that stopped
-    early on its own clock would leave the others waiting in a collective): the budget
-    is checked once, on rank 0's clock, after the measurement, and agreed like the rest.
+    early on its own clock would leave the others waiting in a collective), so nothing is
+    re-measured: the budget is checked once, on rank 0's clock, after the measurement,
+    and agreed like the rest.
     """
-    entries: list[Timings] = []
     start = timer()
     deadline = start + budget_s
     together = group is not None and group.size() > 1
-    failure: CalibrationError | None = None
+
+    def measure_at(B: int) -> Timings:
+        left = math.inf if together else deadline - timer()
+        if left <= 0:
+            raise CalibrationError("measurement_timeout", f"budget {budget_s:g} s spent before B={B}")
+        tokens = context if isinstance(context, int) else context[B]
+        try:
+            fns = build_forwards(model, head, batch_size=B, k=k, prompt_len=tokens)
+        except Exception as exc:  # a model that cannot even prefill is a failed measurement
+            raise CalibrationError(
+                "measurement_failed", f"building forwards at B={B}: {type(exc).__name__}: {exc}"
+            ) from exc
+        return measure(
+            *fns, k=k, batch_size=B, runs=runs, warmup=warmup, timer=timer, budget_s=left, note="mtp_head"
+        )
+
+    result: TimingTable | CalibrationError
     try:
-        for B in batch_sizes:
-            left = math.inf if together else deadline - timer()
-            if left <= 0:
-                raise CalibrationError("measurement_timeout", f"budget {budget_s:g} s spent before B={B}")
-            try:
-                fns = build_forwards(model, head, batch_size=B, k=k, prompt_len=context)
-            except Exception as exc:  # a model that cannot even prefill is a failed measurement
-                raise CalibrationError(
-                    "measurement_failed", f"building forwards at B={B}: {type(exc).__name__}: {exc}"
-                ) from exc
-            note = "mtp_head"
-            entries.append(
-                measure(
-                    *fns, k=k, batch_size=B, runs=runs, warmup=warmup, timer=timer, budget_s=left, note=note
-                )
-            )
+        result = measure_table(measure_at, batch_sizes, retry=not together)
         if together and timer() > deadline:
             spent = f"{timer() - start:.3g} s spent, budget {budget_s:g} s"
             raise CalibrationError("measurement_timeout", spent)
     except CalibrationError as exc:
-        failure = exc
-    result = TimingTable.of(*entries) if failure is None else failure
+        result = exc
     return agree(result, group, batch_sizes=batch_sizes, k=k, runs=runs)
 
 

@@ -12,6 +12,12 @@ Rules of this module:
   `budget_s` -> measurement_timeout (checked between forwards: one hung forward is not
   interrupted); samples too spread out to trust (relative median absolute deviation above
   `max_spread`, e.g. a prefill competed for the device) -> measurement_poisoned.
+- Across batch sizes the figures must agree with each other: a forward over more rows is
+  never much cheaper than one over fewer, so a smaller batch measuring slower than a
+  larger one by more than the spread limit ran in a slow window (`out_of_order`).
+  `measure_table` re-measures once what looks poisoned (one process only: every rank of
+  a group must run the same forwards) and refuses what still is; a re-measured entry
+  says why (`Timings.remeasured`), and the decision's detail quotes it.
 - Measure on rank 0 only under mx.distributed and broadcast the result (melix_fsm.policy.decision).
 """
 
@@ -20,9 +26,11 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
-from .cost_model import Timings
+import msgspec
+
+from .cost_model import Timings, TimingTable
 from .errors import CalibrationError, PolicyError
 
 Forward = Callable[[], object]
@@ -33,6 +41,8 @@ DEFAULT_BUDGET_S = 120.0
 # Relative MAD above which samples are refused. Quiet machines measure a few percent;
 # a prefill running beside the calibration pushes it far past this.
 DEFAULT_MAX_SPREAD = 0.25
+# The forwards compared across batch sizes (the head's draft is too short to order reliably).
+ORDERED_FIGURES = ("t_1", "t_verify")
 
 
 def relative_mad(samples: list[float]) -> float:
@@ -112,3 +122,71 @@ def try_measure(
         return measure(fn_1, fn_verify, fn_head, **kw)  # type: ignore[arg-type]
     except CalibrationError as exc:
         return exc
+
+
+class Clash(msgspec.Struct, frozen=True):
+    """A smaller batch measuring slower than a larger one by more than the tolerance."""
+
+    smaller: Timings
+    larger: Timings
+    figure: str  # one of ORDERED_FIGURES
+
+    def __str__(self) -> str:
+        slow, fast = getattr(self.smaller, self.figure), getattr(self.larger, self.figure)
+        return (
+            f"{self.figure} at B={self.smaller.batch_size} ({slow * 1e3:.2f} ms) above "
+            f"B={self.larger.batch_size} ({fast * 1e3:.2f} ms): a window ran slow"
+        )
+
+
+def out_of_order(entries: Iterable[Timings], tolerance: float = DEFAULT_MAX_SPREAD) -> list[Clash]:
+    """Every pair of batch sizes whose figures contradict each other (smaller B slower by
+    more than `tolerance`, relative), smallest batch sizes first."""
+    ordered = sorted(entries, key=lambda t: t.batch_size)
+    return [
+        Clash(small, large, figure)
+        for i, small in enumerate(ordered)
+        for large in ordered[i + 1 :]
+        for figure in ORDERED_FIGURES
+        if getattr(small, figure) > getattr(large, figure) * (1.0 + tolerance)
+    ]
+
+
+def measure_table(
+    measure_at: Callable[[int], Timings],
+    batch_sizes: Sequence[int],
+    *,
+    retry: bool = True,
+    tolerance: float = DEFAULT_MAX_SPREAD,
+) -> TimingTable:
+    """A timing table from `measure_at(B)` at each batch size, checked across them.
+
+    With `retry`, a batch size whose samples came back poisoned is measured once more, and
+    so are both sides of every clash `out_of_order` finds; what is still poisoned or out
+    of order then raises `CalibrationError("measurement_poisoned")`. Without it (a group
+    of ranks) the first poisoned result raises. Other failures raise as they come.
+    """
+
+    def again(batch_size: int, why: str) -> Timings:
+        return msgspec.structs.replace(measure_at(batch_size), remeasured=why)
+
+    by_size: dict[int, Timings] = {}
+    for batch_size in batch_sizes:
+        try:
+            by_size[batch_size] = measure_at(batch_size)
+        except CalibrationError as exc:
+            if not retry or exc.reason != "measurement_poisoned":
+                raise
+            by_size[batch_size] = again(batch_size, exc.detail)
+    clashes = out_of_order(by_size.values(), tolerance)
+    if clashes and retry:
+        suspects: dict[int, str] = {}  # each suspect with the first clash it is in
+        for clash in clashes:
+            for timings in (clash.smaller, clash.larger):
+                suspects.setdefault(timings.batch_size, str(clash))
+        for batch_size, why in sorted(suspects.items()):
+            by_size[batch_size] = again(batch_size, why)
+        clashes = out_of_order(by_size.values(), tolerance)
+    if clashes:
+        raise CalibrationError("measurement_poisoned", str(clashes[0]))
+    return TimingTable.of(*by_size.values())

@@ -71,6 +71,7 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True):
     spread: float = 0.0
     note: str = ""
     t_replay: float | None = None  # one replay forward; None: priced as a verify (an upper bound)
+    remeasured: str = ""  # why the first measurement was refused and this one taken ("": measured once)
 
     def __post_init__(self) -> None:
         for name in ("t_1", "t_verify", "t_head", "t_replay"):

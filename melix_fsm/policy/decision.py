@@ -117,6 +117,8 @@ def decide(
             replay_rate=forwards.replay,
             cycle_cost=cost,
         )
+        if timings.remeasured:
+            fields["detail"] = f"re-measured: {timings.remeasured}"
         if speedup >= 1.0 + margin:
             gate = Gate.admitted
             reason = Reason.bandwidth_bound if regime is Regime.bandwidth_bound else Reason.above_margin

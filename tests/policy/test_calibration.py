@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from melix_fsm.errors import MelixError
-from melix_fsm.policy.calibration import measure, relative_mad, try_measure
+from melix_fsm.policy.calibration import measure, measure_table, out_of_order, relative_mad, try_measure
+from melix_fsm.policy.cost_model import Timings
 from melix_fsm.policy.decision import Gate, Reason, decide
 from melix_fsm.policy.errors import CalibrationError, PolicyError
 
@@ -86,3 +87,87 @@ def test_bad_arguments(clock: FakeClock):
 def test_relative_mad():
     assert relative_mad([1.0, 1.0, 1.0, 100.0]) == 0.0
     assert relative_mad([1.0, 2.0, 3.0]) == pytest.approx(0.5)
+
+
+# -- across batch sizes: out_of_order and measure_table -------------------------------
+
+
+def _at(batch_size: int, t_1: float, t_verify: float | None = None) -> Timings:
+    return Timings(t_1=t_1, t_verify=t_verify or 1.3 * t_1, t_head=0.07 * t_1, k=1, batch_size=batch_size)
+
+
+class Scripted:
+    """`measure_at` returning, per batch size, the next scripted result (a Timings or a
+    CalibrationError to raise); records every call."""
+
+    def __init__(self, script: dict[int, list[Timings | CalibrationError]]) -> None:
+        self.script = {b: list(results) for b, results in script.items()}
+        self.calls: list[int] = []
+
+    def __call__(self, batch_size: int) -> Timings:
+        self.calls.append(batch_size)
+        result = self.script[batch_size].pop(0)
+        if isinstance(result, CalibrationError):
+            raise result
+        return result
+
+
+def test_a_smaller_batch_much_slower_than_a_larger_one_is_out_of_order():
+    # the field case: t_1 at B=4 32.5 ms against 23.3 ms at B=8 (verify in order)
+    entries = [_at(1, 10.6), _at(2, 15.4), _at(4, 32.5, 33.6), _at(8, 23.3, 36.4)]
+    clashes = out_of_order(entries)
+    assert [(c.smaller.batch_size, c.larger.batch_size, c.figure) for c in clashes] == [(4, 8, "t_1")]
+    assert "t_1 at B=4" in str(clashes[0]) and "B=8" in str(clashes[0])
+    # within the tolerance (noise between near-equal sizes) is not a clash
+    assert out_of_order([_at(1, 12.8), _at(2, 12.6), _at(3, 14.2)]) == []
+    assert out_of_order([_at(2, 12.0), _at(4, 10.0)], tolerance=0.25) == []
+    assert len(out_of_order([_at(2, 12.0), _at(4, 10.0)], tolerance=0.1)) == 2  # t_1 and t_verify
+
+
+def test_measure_table_measures_a_clash_again_and_keeps_the_consistent_figures():
+    measure_at = Scripted(
+        {1: [_at(1, 10.6)], 4: [_at(4, 32.5), _at(4, 17.0)], 8: [_at(8, 23.3), _at(8, 22.0)]}
+    )
+    table = measure_table(measure_at, [1, 4, 8])
+    assert measure_at.calls == [1, 4, 8, 4, 8]  # both sides of the clash, once
+    assert [t.t_1 for t in table.entries] == [10.6, 17.0, 22.0]
+    assert table.entries[0].remeasured == ""
+    assert "t_1 at B=4" in table.entries[1].remeasured and table.entries[2].remeasured
+    d = decide(table.entries[1], prior=PRIOR)
+    assert d.detail.startswith("re-measured: t_1 at B=4")  # the receipt says what happened
+
+
+def test_measure_table_refuses_a_clash_that_stays():
+    measure_at = Scripted({1: [_at(1, 30.0), _at(1, 31.0)], 2: [_at(2, 12.0), _at(2, 12.5)]})
+    with pytest.raises(CalibrationError) as info:
+        measure_table(measure_at, [1, 2])
+    assert info.value.reason == "measurement_poisoned" and "t_1 at B=1" in info.value.detail
+    assert measure_at.calls == [1, 2, 1, 2]
+
+
+def test_measure_table_retries_poisoned_samples_once():
+    poisoned = CalibrationError("measurement_poisoned", "t_1 samples spread 33% (limit 25%)")
+    measure_at = Scripted({1: [poisoned, _at(1, 10.0)], 2: [_at(2, 12.0)]})
+    table = measure_table(measure_at, [1, 2])
+    assert measure_at.calls == [1, 1, 2] and table.entries[0].remeasured.startswith("t_1 samples spread")
+    twice = Scripted({1: [poisoned, poisoned]})
+    with pytest.raises(CalibrationError) as info:
+        measure_table(twice, [1])
+    assert info.value.reason == "measurement_poisoned" and twice.calls == [1, 1]
+
+
+def test_measure_table_without_retry_and_other_failures_raise_at_once():
+    poisoned = CalibrationError("measurement_poisoned", "spread")
+    for retry, script, reason in [
+        (False, {1: [poisoned]}, "measurement_poisoned"),  # a group of ranks: no second run
+        (True, {1: [CalibrationError("measurement_timeout", "budget")]}, "measurement_timeout"),
+        (True, {1: [CalibrationError("measurement_failed", "oom")]}, "measurement_failed"),
+    ]:
+        measure_at = Scripted(script)
+        with pytest.raises(CalibrationError) as info:
+            measure_table(measure_at, [1], retry=retry)
+        assert info.value.reason == reason and measure_at.calls == [1]
+    clash = Scripted({1: [_at(1, 30.0)], 2: [_at(2, 12.0)]})
+    with pytest.raises(CalibrationError):
+        measure_table(clash, [1, 2], retry=False)
+    assert clash.calls == [1, 2]

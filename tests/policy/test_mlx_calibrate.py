@@ -128,3 +128,34 @@ def test_cli_refusals(tiny: Path, tmp_path: Path, capsys):
     (headless / "mtp.safetensors").unlink()
     assert main(["calibrate", "--model", str(headless)]) == 3
     assert "missing_head_weights" in capsys.readouterr().err
+
+
+def test_calibrate_measures_a_slow_window_again_at_each_size_s_own_context(loaded, monkeypatch):
+    """The glue: contexts per batch size reach the forwards, and a batch size whose first
+    measurement contradicts a larger one is measured again (a fake clock: B=1's first
+    forwards take 30 ms, its second 10 ms; B=2's take 12 ms)."""
+    import melix_mlx.calibrate as glue
+
+    clock = _Ticker()
+    built: list[tuple[int, int]] = []
+    durations = {1: [30e-3, 10e-3], 2: [12e-3, 12e-3]}
+
+    def fake_forwards(model, head, *, batch_size, k, prompt_len):
+        built.append((batch_size, prompt_len))
+        ms = durations[batch_size].pop(0)
+
+        def forward() -> None:
+            clock.now += ms
+
+        return forward, forward, forward
+
+    monkeypatch.setattr(glue, "build_forwards", fake_forwards)
+    model, _, head, _ = loaded
+    contexts = {1: 40, 2: 56}
+    table = glue.calibrate(
+        model, head, batch_sizes=(1, 2), k=1, runs=3, warmup=0, timer=clock, context=contexts
+    )
+    assert isinstance(table, TimingTable)
+    assert built == [(1, 40), (2, 56), (1, 40), (2, 56)]
+    assert [round(t.t_1, 4) for t in table.entries] == [0.011, 0.013]  # + the ticker's 1 ms read
+    assert all("t_1 at B=1" in t.remeasured for t in table.entries)
