@@ -11,8 +11,9 @@ Rules of this module:
   accepted, in order); each response carries `from_draft`, and a finishing response
   carries the row's speculative stats.
 - Row i of `self.batch` (a melix_fsm Batch) is row i of the main cache and of the head
-  cache. Joining rows are prefilled alone (which also primes their head cache from the
-  prompt) and appended with `extend`; leaving rows go with one `filter`. A row's
+  cache. Joining rows are prefilled (together where nothing of them is cached yet, as
+  mlx-lm prefills its prompts; this also primes their head caches from the prompts) and
+  appended with `extend`; leaving rows go with one `filter`. A row's
   speculative state (pending head pairs, draft count, sampler, counters, lifecycle
   machine) lives in its Batch row and travels through both reshapes untouched.
 - One step is one cycle of melix_mlx.engine (the same code the single-sequence decoder
@@ -71,7 +72,7 @@ from melix_fsm.reasons import RefusalReason, reason_of, refusal_text
 from melix_fsm.report import RowReport, StepReport
 
 from . import head_receipt, ragged_kv, rollback
-from .batch_prompts import prepare_row
+from .batch_prompts import PreparedRow, join_groups, joins_fresh, prepare_row, prepare_rows
 from .batch_rows import InsertRequest, MTPResponse, RowState
 from .batch_surface import BatchSurface
 from .engine import (
@@ -481,22 +482,7 @@ class MTPBatchGenerator(BatchSurface):
         joining = Batch()
         caches, head_caches, heads, ys, responses = [], [], [], [], []
         tic = time.perf_counter()
-        disabled = getattr(self.controller, "disabled", False)
-        for request in ready:
-            try:
-                prepared = prepare_row(
-                    self.model,
-                    self.head,
-                    self.engine,
-                    request,
-                    refusal=self.refusal,
-                    head_disabled=disabled,
-                    max_kv_size=self.max_kv_size,
-                    prefill_step_size=self.prefill_step_size,
-                )
-            except Exception as exc:  # that request only (melix_mlx.batch_surface)
-                self._fail(request, exc)
-                continue
+        for request, prepared in self._prepare(ready):
             row = prepared.state
             self._first_logprobs[request.uid] = prepared.first_logprobs
             joining.extend([request.uid], payloads=[row])
@@ -535,6 +521,35 @@ class MTPBatchGenerator(BatchSurface):
         if finished:
             self._finish(finished, out)
         return responses
+
+    def _prepare(self, ready: list[InsertRequest]) -> list[tuple[InsertRequest, PreparedRow]]:
+        """Prefill the joining requests, in order: those with nothing cached together in
+        groups of similar length (`join_groups`), the rest alone. A request whose prefill
+        raises fails alone (melix_mlx.batch_surface): if a joint prefill raises, its
+        requests are prefilled one by one (the same tokens either way), so only the one
+        that fails on its own leaves."""
+        options: dict[str, Any] = dict(
+            refusal=self.refusal,
+            head_disabled=getattr(self.controller, "disabled", False),
+            max_kv_size=self.max_kv_size,
+            prefill_step_size=self.prefill_step_size,
+        )
+        done: dict[int, PreparedRow] = {}
+        for group in join_groups([r for r in ready if joins_fresh(r)]):
+            if len(group) > 1:
+                with contextlib.suppress(Exception):
+                    prepared = prepare_rows(self.model, self.head, self.engine, group, **options)
+                    done.update({r.uid: row for r, row in zip(group, prepared)})
+        out = []
+        for request in ready:
+            if request.uid not in done:
+                try:
+                    done[request.uid] = prepare_row(self.model, self.head, self.engine, request, **options)
+                except Exception as exc:  # that request only
+                    self._fail(request, exc)
+                    continue
+            out.append((request, done[request.uid]))
+        return out
 
     # -- one decode step -------------------------------------------------------------
     def _plans(

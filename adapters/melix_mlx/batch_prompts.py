@@ -2,9 +2,11 @@
 
 mlx-lm's BatchGenerator keeps prompt processing apart from its generation batch; this is
 that half of `MTPBatchGenerator`. Rules of this module:
-- A joining row is prefilled alone, on its own cache (mlx-lm's, or the one the caller
-  inserted), after any segments fed earlier (melix_mlx.batch_surface): its first token
-  is drawn from the prefill's last logits, as mlx-lm draws it.
+- Joining rows with nothing cached yet are prefilled together, one forward per chunk
+  for all of them, as mlx-lm's BatchGenerator prefills its prompts (`prepare_rows`);
+  a row the caller inserted a cache for, or whose earlier segments were fed
+  (melix_mlx.batch_surface), is prefilled alone on its own cache (`prepare_row`). Its
+  first token is drawn from the prefill's last logits, as mlx-lm draws it.
 - Its head is primed from the prompt's pairs (h_i, t_{i+1}) and drafts the first cycle,
   unless the policy is disabled (no head work at all). Every row's head follows its
   context, a refused row's too: batch shapes stay uniform.
@@ -20,13 +22,14 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.generate import _merge_caches
 from mlx_lm.models.cache import make_prompt_cache
 
 from melix_fsm.reasons import RefusalReason, refusal_text
 
 from .batch_rows import InsertRequest, RowState
 from .engine import CycleEngine, RowHead
-from .prefill import prefill_with_hidden
+from .prefill import prefill_together, prefill_with_hidden
 from .sampling import normalize_logits, params_of
 from .token_history import TokenHistory
 
@@ -63,6 +66,75 @@ def prepare_row(
     """Prefill one row alone; draw its first token; prime its head cache from the prompt."""
     cache = request.cache or make_prompt_cache(model, max_kv_size)
     logits, hiddens = prefill_with_hidden(model, mx.array(request.prompt), cache, prefill_step_size)
+    return _ready(model, head, engine, request, cache, logits, hiddens, refusal, head_disabled)
+
+
+def joins_fresh(request: InsertRequest) -> bool:
+    """Nothing of this request is in a cache yet: it can be prefilled with others."""
+    return request.cache is None and not request.hiddens
+
+
+# Joining prompts are padded to the longest of their group; a group takes a prompt only
+# while its padding stays at most this share of its real tokens. Padding is wasted work:
+# on the CPU a joint prefill of attention layers costs about what separate ones cost plus
+# the padding, while recurrent layers, whose per-position steps are shared by the batch,
+# gain the most from joining (benchmarks/bench_prefill.py).
+MAX_PADDING = 0.25
+
+
+def join_groups(requests: list[InsertRequest], max_padding: float = MAX_PADDING) -> list[list[InsertRequest]]:
+    """Fresh requests (`joins_fresh`) in groups to prefill together, shortest prompts first;
+    each group's padding to its longest prompt is at most `max_padding` of its tokens."""
+    groups: list[list[InsertRequest]] = []
+    tokens = 0
+    for request in sorted(requests, key=lambda r: len(r.prompt)):
+        n = len(request.prompt)
+        group = groups[-1] if groups else None
+        if group is not None and n * (len(group) + 1) - (tokens + n) <= max_padding * (tokens + n):
+            group.append(request)
+            tokens += n
+        else:
+            groups.append([request])
+            tokens = n
+    return groups
+
+
+def prepare_rows(
+    model: nn.Module,
+    head: nn.Module | None,
+    engine: CycleEngine,
+    requests: list[InsertRequest],
+    *,
+    refusal: str | None,
+    head_disabled: bool,
+    max_kv_size: int | None,
+    prefill_step_size: int,
+) -> list[PreparedRow]:
+    """Prefill fresh requests (`joins_fresh`) together, one forward per chunk for all of
+    them as mlx-lm's BatchGenerator prefills its prompts; then each row as `prepare_row`."""
+    cache = _merge_caches([make_prompt_cache(model, max_kv_size) for _ in requests])
+    logits, hiddens = prefill_together(model, [r.prompt for r in requests], cache, prefill_step_size)
+    mx.eval(logits, [c.state for c in cache])
+    rows = []
+    for i, request in enumerate(requests):
+        own = [c.extract(i) for c in cache]
+        row = _ready(model, head, engine, request, own, logits[i : i + 1], hiddens[i], refusal, head_disabled)
+        rows.append(row)
+    return rows
+
+
+def _ready(
+    model: nn.Module,
+    head: nn.Module | None,
+    engine: CycleEngine,
+    request: InsertRequest,
+    cache: list[Any],
+    logits: mx.array,
+    hiddens: mx.array,
+    refusal: str | None,
+    head_disabled: bool,
+) -> PreparedRow:
+    """A prefilled row's state, first token and primed head."""
     hiddens, fed = whole_prompt(request, hiddens)  # earlier segments included
     context = request.all_tokens + request.prompt
     state = RowState(

@@ -7,6 +7,11 @@ Rules of this module:
 - It returns the raw logits of the last prompt position and the post-norm hidden state
   of every prompt position; logits of earlier positions are never computed (mlx is
   lazy and nothing evaluates them).
+- `prefill_together` feeds several prompts into one batch cache as mlx-lm's
+  `PromptProcessingBatch` does: all tokens but the last right-padded to the longest, the
+  padding masked (`prepare(lengths=, right_padding=)`) and moved to the left afterwards
+  (`finalize`), then the last tokens as one [B, 1] step, the shape of the first decode
+  step of mlx-lm's `BatchGenerator`. One forward per chunk instead of one per prompt.
 """
 
 from __future__ import annotations
@@ -69,3 +74,37 @@ def prefill_with_hidden(
     logits, h = forward_with_hidden(model, rest[None], cache)
     hiddens.append(h[0])
     return logits[0, -1:], mx.concatenate(hiddens, axis=0)
+
+
+def prefill_together(
+    model: nn.Module, prompts: list[list[int]], cache: list[Any], step_size: int = 2048
+) -> tuple[mx.array, list[mx.array]]:
+    """Feed `prompts` into `cache`, a batch cache of B empty rows (mlx-lm's `_merge_caches`
+    of fresh caches); return (last logits [B, V], each prompt's hiddens [n_i, D])."""
+    if not prompts or not all(prompts):
+        raise ValueError("prefill_together needs at least one prompt, none empty")
+    lengths = [len(p) - 1 for p in prompts]  # every token but the last
+    longest = max(lengths)
+    chunks: list[mx.array] = []
+    if longest:
+        padding = [longest - n for n in lengths]
+        rest = mx.array([p[:-1] + [0] * pad for p, pad in zip(prompts, padding)])
+        if max(padding):
+            for c in cache:
+                c.prepare(lengths=lengths, right_padding=padding)
+        while rest.shape[1]:
+            n = min(step_size, rest.shape[1])
+            _, h = forward_with_hidden(model, rest[:, :n], cache)
+            mx.eval(h, [c.state for c in cache])
+            chunks.append(h)
+            rest = rest[:, n:]
+        if max(padding):
+            for c in cache:
+                c.finalize()
+    logits, last = forward_with_hidden(model, mx.array([p[-1:] for p in prompts]), cache)
+    fed = mx.concatenate(chunks, axis=1) if chunks else None
+    hiddens = [
+        last[i] if fed is None else mx.concatenate([fed[i, :n], last[i]], axis=0)
+        for i, n in enumerate(lengths)
+    ]
+    return logits[:, -1], hiddens

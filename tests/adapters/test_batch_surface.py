@@ -154,17 +154,26 @@ def test_a_failing_prefill_drops_only_its_request(loaded: tuple, prompts: list, 
     expected = drain(ref, ref.insert(prompts, max_tokens=[10] * 3))
     gen = MTPBatchGenerator(model, head, num_draft_tokens=2)
     uids = gen.insert(prompts, max_tokens=[10] * 3)
-    prefill = bg.prepare_row
+    prefill, together = bg.prepare_row, bg.prepare_rows
+    joint: list[list[int]] = []
 
     def failing(model_: Any, head_: Any, engine: Any, request: Any, **kw: Any) -> Any:
         if request.uid == uids[1]:
             raise RuntimeError("injected prefill failure")
         return prefill(model_, head_, engine, request, **kw)
 
+    def failing_together(model_: Any, head_: Any, engine: Any, requests: list, **kw: Any) -> Any:
+        joint.append([r.uid for r in requests])
+        if any(r.uid == uids[1] for r in requests):
+            raise RuntimeError("injected prefill failure")
+        return together(model_, head_, engine, requests, **kw)
+
     monkeypatch.setattr(bg, "prepare_row", failing)
+    monkeypatch.setattr(bg, "prepare_rows", failing_together)
     with pytest.raises(RequestFailed) as info:
         gen.next()
     assert set(info.value.failures) == {uids[1]}
+    assert [sorted(group) for group in joint] == [sorted(uids)]  # together first, then one by one
     first = list(info.value.responses[1])
     rest = drain(gen, [uids[0], uids[2]])
     for uid in (uids[0], uids[2]):
