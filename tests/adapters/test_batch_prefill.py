@@ -4,7 +4,8 @@ What holds: one joint prefill of prompts of different lengths (1 token included)
 every row the hidden states, last logits and cache that prefilling it alone gives (to
 float32 rounding: the batched matmuls may sum in another order), for every family; the
 generator prefills fresh requests together and a request with an inserted cache alone,
-and its tokens equal mlx-lm's greedy decode either way.
+and its tokens equal mlx-lm's greedy decode either way; with rotating caches
+(`max_kv_size`) its tokens equal mlx-lm's `BatchGenerator`'s.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from melix_mlx.batch_prompts import join_groups  # noqa: E402
 from melix_mlx.batch_rows import InsertRequest  # noqa: E402
 from melix_mlx.prefill import prefill_together, prefill_with_hidden  # noqa: E402
 from melix_mlx.tiny import FAMILIES  # noqa: E402
-from mlx_lm.generate import StopSequences, _merge_caches, generate_step  # noqa: E402
+from mlx_lm.generate import BatchGenerator, StopSequences, _merge_caches, generate_step  # noqa: E402
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache  # noqa: E402
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7, 3, 11], [100], [7, 8], [12, 13, 14, 15, 16]]
@@ -133,3 +134,37 @@ def test_the_generator_prefills_fresh_requests_together_and_a_cached_one_alone(
     assert joint == [3] and alone == [uids[0]]
     assert [out[u] for u in uids] == refs
     assert gen.speculative_stats()["cycles"] > 0
+
+
+@pytest.mark.parametrize("family", ["mimo", "qwen3_5"])
+def test_rotating_caches_decode_as_mlx_lm_batch_generator(loaded_heads, family: str, monkeypatch) -> None:
+    """`max_kv_size` (a refused batch decodes plainly), prompts longer than the window:
+    the tokens equal mlx-lm's `BatchGenerator`'s. Prefilled one by one they did not (its
+    batch caches window a padded joint prefill differently from one row's cache): mimo's
+    rows then differed from their first or second token on."""
+    import melix_mlx.batch_generator as bg
+
+    model, _, head, _ = loaded_heads[family]
+    prompts = [[5, 17, 33, 2, 9, 41, 7, 3, 11, 12, 13], [100, 3, 8, 9, 10, 11, 12, 13, 14, 15], PROMPTS[0]]
+    n = 10
+    reference = BatchGenerator(model, max_kv_size=8)
+    ref_uids = reference.insert(prompts, max_tokens=[n] * len(prompts))
+    want: dict[int, list[int]] = {}
+    while responses := reference.next_generated():
+        for r in responses:
+            want.setdefault(r.uid, []).append(r.token)
+    reference.close()
+    joint: list[int] = []
+    together = bg.prepare_rows
+    monkeypatch.setattr(bg, "prepare_rows", lambda *a, **kw: joint.append(len(a[3])) or together(*a, **kw))
+    gen = MTPBatchGenerator(model, head, max_kv_size=8, max_tokens=n)
+    uids = gen.insert(prompts)
+    out: dict[int, list[int]] = {}
+    for _ in range(100):
+        if not (gen.batch.uids or gen._queue):
+            break
+        for r in gen.next()[1]:
+            out.setdefault(r.uid, []).append(r.token)
+    gen.close()
+    assert joint == [3]
+    assert [out[u] for u in uids] == [want[u] for u in ref_uids]
