@@ -46,6 +46,7 @@ Rules of this module:
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -61,7 +62,7 @@ from mlx_lm.generate import (
     _merge_caches,
 )
 from mlx_lm.generate_utils import BatchCounters, BatchCountersSnapshot, BatchStats
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from melix_fsm import lifecycle as lc
@@ -72,7 +73,7 @@ from melix_fsm.reasons import RefusalReason, reason_of, refusal_text
 from melix_fsm.report import RowReport, StepReport
 
 from . import head_receipt, ragged_kv, rollback
-from .batch_prompts import PreparedRow, join_groups, joins_fresh, prepare_row, prepare_rows
+from .batch_prompts import MAX_PADDING, PreparedRow, join_groups, joins_fresh, prepare_row, prepare_rows
 from .batch_rows import InsertRequest, MTPResponse, RowState
 from .batch_surface import BatchSurface
 from .engine import (
@@ -135,8 +136,12 @@ class MTPBatchGenerator(BatchSurface):
         self._default_stop = StopSequences(stop_tokens if stop_tokens else None)
         no_head = refusal_text(RefusalReason.unsupported_model, "no MTP head loaded")
         self.refusal = refusal or (no_head if head is None else head_receipt.refusal(head))
+        fresh_cache = make_prompt_cache(model, max_kv_size)
         if self.refusal is None:
-            self.refusal = rollback.refusal(make_prompt_cache(model, max_kv_size), model=model, batched=True)
+            self.refusal = rollback.refusal(fresh_cache, model=model, batched=True)
+        # A window's content depends on how a joint prefill is padded: join as mlx-lm does
+        windowed = any(isinstance(c, RotatingKVCache) for c in rollback.leaves(fresh_cache))
+        self._max_padding = math.inf if windowed else MAX_PADDING
         self.batch = Batch()
         self.engine = CycleEngine(model, head, [], [])  # row i of the engine is row i of the batch
         self._queue: deque[InsertRequest] = deque()
@@ -524,7 +529,8 @@ class MTPBatchGenerator(BatchSurface):
 
     def _prepare(self, ready: list[InsertRequest]) -> list[tuple[InsertRequest, PreparedRow]]:
         """Prefill the joining requests, in order: those with nothing cached together in
-        groups of similar length (`join_groups`), the rest alone. A request whose prefill
+        groups of similar length (`join_groups`; all in one group where caches are
+        windowed, as mlx-lm joins them), the rest alone. A request whose prefill
         raises fails alone (melix_mlx.batch_surface): if a joint prefill raises, its
         requests are prefilled one by one (the same tokens either way), so only the one
         that fails on its own leaves."""
@@ -535,7 +541,7 @@ class MTPBatchGenerator(BatchSurface):
             prefill_step_size=self.prefill_step_size,
         )
         done: dict[int, PreparedRow] = {}
-        for group in join_groups([r for r in ready if joins_fresh(r)]):
+        for group in join_groups([r for r in ready if joins_fresh(r)], self._max_padding):
             if len(group) > 1:
                 with contextlib.suppress(Exception):
                     prepared = prepare_rows(self.model, self.head, self.engine, group, **options)

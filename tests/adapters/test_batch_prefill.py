@@ -24,7 +24,7 @@ from melix_mlx.batch_rows import InsertRequest  # noqa: E402
 from melix_mlx.prefill import prefill_together, prefill_with_hidden  # noqa: E402
 from melix_mlx.tiny import FAMILIES  # noqa: E402
 from mlx_lm.generate import BatchGenerator, StopSequences, _merge_caches, generate_step  # noqa: E402
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache  # noqa: E402
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache  # noqa: E402
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7, 3, 11], [100], [7, 8], [12, 13, 14, 15, 16]]
 TOLERANCE = 1e-4
@@ -138,14 +138,16 @@ def test_the_generator_prefills_fresh_requests_together_and_a_cached_one_alone(
 
 @pytest.mark.parametrize("family", ["mimo", "qwen3_5"])
 def test_rotating_caches_decode_as_mlx_lm_batch_generator(loaded_heads, family: str, monkeypatch) -> None:
-    """`max_kv_size` (a refused batch decodes plainly), prompts longer than the window:
-    the tokens equal mlx-lm's `BatchGenerator`'s. Prefilled one by one they did not (its
-    batch caches window a padded joint prefill differently from one row's cache): mimo's
-    rows then differed from their first or second token on."""
+    """`max_kv_size` (a refused batch decodes plainly), prompts longer than the window,
+    inserted together: the tokens equal mlx-lm's `BatchGenerator`'s. Prefilled one by one
+    they did not (its batch caches window a padded joint prefill differently from one
+    row's cache): mimo's rows then differed from their first or second token on. With
+    windowed caches every fresh prompt joins one group, however unlike their lengths."""
     import melix_mlx.batch_generator as bg
 
     model, _, head, _ = loaded_heads[family]
-    prompts = [[5, 17, 33, 2, 9, 41, 7, 3, 11, 12, 13], [100, 3, 8, 9, 10, 11, 12, 13, 14, 15], PROMPTS[0]]
+    long = [(7 * i) % 200 + 1 for i in range(24)]  # unlike length: joined anyway, as mlx-lm joins
+    prompts = [[5, 17, 33, 2, 9, 41, 7, 3, 11, 12, 13], [100, 3, 8, 9, 10, 11, 12, 13, 14], PROMPTS[0], long]
     n = 10
     reference = BatchGenerator(model, max_kv_size=8)
     ref_uids = reference.insert(prompts, max_tokens=[n] * len(prompts))
@@ -166,5 +168,7 @@ def test_rotating_caches_decode_as_mlx_lm_batch_generator(loaded_heads, family: 
         for r in gen.next()[1]:
             out.setdefault(r.uid, []).append(r.token)
     gen.close()
-    assert joint == [3]
+    windowed = any(isinstance(c, RotatingKVCache) for c in rollback.leaves(make_prompt_cache(model, 8)))
+    assert windowed == (family == "mimo")  # qwen3_5's own caches ignore max_kv_size
+    assert joint == ([4] if windowed else [3])  # unwindowed: the long prompt goes alone
     assert [out[u] for u in uids] == [want[u] for u in ref_uids]
