@@ -107,6 +107,24 @@ def test_cli_json(tiny: Path, capsysbinary):
     assert d["hardware_gate"] in ("admitted", "disabled") and d["hardware_policy"] == "auto"
     assert d["t_1"] > 0 and d["predicted_speedup"] > 0 and d["prior"]["name"] == "qwen3_5"
     assert d["hardware"]["platform"] in ("linux_cpu", "apple_gpu", "apple_cpu", "cuda", "other")
+    assert out["clashes"] == []  # tolerance --max-spread 100: no pair can clash
+
+
+def test_cli_reports_batch_sizes_that_clash(tiny: Path, monkeypatch, capsysbinary):
+    import melix_fsm.policy.calibration as calibration
+    from melix_fsm.policy.cost_model import Timings
+
+    def measured(*forwards, k, batch_size, **kw):  # B=1 ran in a slow window
+        t_1 = 0.030 if batch_size == 1 else 0.010
+        return Timings(t_1=t_1, t_verify=1.3 * t_1, t_head=0.1 * t_1, k=k, batch_size=batch_size)
+
+    monkeypatch.setattr(calibration, "measure", measured)
+    status = main(["calibrate", "--model", str(tiny), "--batch-size", "1", "2", "--json"])
+    captured = capsysbinary.readouterr()
+    out = json.loads(captured.out)
+    assert status == 3 and len(out["clashes"]) == 2  # t_1 and t_verify
+    assert out["clashes"][0].startswith("t_1 at B=1 (30.00 ms) above B=2 (10.00 ms)")
+    assert b"measurement_poisoned: t_1 at B=1" in captured.err
 
 
 def test_cli_text_and_override(tiny: Path, capsys):

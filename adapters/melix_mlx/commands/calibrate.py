@@ -7,10 +7,14 @@ Rules of this module:
   family's prior acceptance (pricing every forward a cycle runs: the replay forward of
   recurrent layers too, where the decoder replays), and prints the figures and the hardware decision: a table,
   or with --json one object {model, family, dtype, hardware, prior, policy, timings,
-  decisions, decision} where `decision` is the one for the first batch size.
+  decisions, decision, clashes} where `decision` is the one for the first batch size.
+- Batch sizes are measured one by one and not re-measured (this is the raw report), then
+  checked against each other (`melix_fsm.policy.calibration.out_of_order`, tolerance
+  --max-spread): each clash is printed; the library would measure those sizes again.
 - Exit status (melix_fsm.cli): 0 measured (whatever the verdict: a disabled gate is a
   valid answer), 3 a typed refusal (the head cannot be loaded, or the measurement failed,
-  timed out or was poisoned; the decision printed says which), 2 usage error.
+  timed out or was poisoned, batch sizes clashing included; the decision printed says
+  which), 2 usage error.
 - Do not run it beside a serving process: competing forwards poison the samples.
 """
 
@@ -78,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
     import msgspec
 
-    from melix_fsm.policy.calibration import measure
+    from melix_fsm.policy.calibration import measure, out_of_order
     from melix_fsm.policy.cost_model import CycleForwards, TimingTable, acceptance_prior, replay_rate
     from melix_fsm.policy.decision import decide
     from melix_fsm.policy.errors import CalibrationError
@@ -136,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     measured = [r for r in results if not isinstance(r, CalibrationError)]
     table = TimingTable.of(*measured) if measured else None
+    clashes = [str(c) for c in out_of_order(measured, args.max_spread)]
 
     if args.json:
         out = {
@@ -148,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
             "timings": list(table.entries) if table else [],
             "decisions": decisions,
             "decision": decisions[0],
+            "clashes": clashes,
         }
         sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(out)) + b"\n")
     else:
@@ -156,7 +162,9 @@ def run(args: argparse.Namespace) -> int:
     failed = [r for r in results if isinstance(r, CalibrationError)]
     for exc in failed:
         print(f"melix-fsm calibrate: {exc.reason}: {exc.detail}", file=sys.stderr)
-    return EXIT_REFUSED if failed else EXIT_OK
+    for clash in clashes:
+        print(f"melix-fsm calibrate: measurement_poisoned: {clash}", file=sys.stderr)
+    return EXIT_REFUSED if failed or clashes else EXIT_OK
 
 
 def _print_table(args, family, dtype, hardware, prior, k, results, decisions) -> None:
