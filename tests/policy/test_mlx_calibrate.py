@@ -110,6 +110,12 @@ def test_cli_json(tiny: Path, capsysbinary):
     assert out["clashes"] == []  # tolerance --max-spread 100: no pair can clash
 
 
+def test_cli_defaults_to_the_embedded_checkpoint(capsysbinary):
+    status = main(["calibrate", "--runs", "2", "--warmup", "0", "--max-spread", "100", "--json"])
+    out = json.loads(capsysbinary.readouterr().out)
+    assert status == 0 and out["family"] == "deepseek_v3" and out["model"].endswith("stdlib-tiny")
+
+
 def test_cli_reports_batch_sizes_that_clash(tiny: Path, monkeypatch, capsysbinary):
     import melix_fsm.policy.calibration as calibration
     from melix_fsm.policy.cost_model import Timings

@@ -1,4 +1,4 @@
-"""`melix-fsm calibrate --model DIR`: time the model on this device and print the decision.
+"""`melix-fsm calibrate [--model DIR]`: time the model on this device and print the decision.
 
 Rules of this module:
 - `register` is cheap; mlx, mlx-lm and the model load only inside `run`.
@@ -38,8 +38,8 @@ def register(subparsers: Any) -> None:
         "3 refused with a typed reason, 2 usage error.",
     )
     parser.add_argument(
-        "--model", required=True, metavar="DIR",
-        help="checkpoint directory or embedded name (stdlib-tiny, stdlib-hybrid)",
+        "--model", default=None, metavar="DIR",
+        help="checkpoint directory or embedded name (stdlib-tiny, stdlib-hybrid; default: stdlib-tiny)",
     )
     parser.add_argument(
         "--batch-size",
@@ -72,9 +72,9 @@ def _usage(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from melix_mlx.checkpoints import resolve_model
+    from melix_mlx.checkpoints import DEFAULT, resolve_model
 
-    args.model = resolve_model(args.model)
+    args.model = resolve_model(DEFAULT if args.model is None else args.model)
     if not Path(args.model).is_dir():
         return _usage(f"--model {args.model!r} is not a directory")
     if args.num_draft_tokens < 1 or min(args.batch_size) < 1 or args.runs < 1 or args.warmup < 0:
