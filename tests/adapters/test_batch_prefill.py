@@ -38,6 +38,17 @@ def _live(cache: Any) -> list[mx.array]:
     return [keys[..., : cache.offset, :], values[..., : cache.offset, :]]
 
 
+def _drain(gen: MTPBatchGenerator) -> dict[int, list[int]]:
+    """Run the generator until every request has finished (bounded); tokens per uid."""
+    out: dict[int, list[int]] = {}
+    for _ in range(200):
+        if not (gen.batch.uids or gen._queue):
+            return out
+        for r in gen.next()[1]:
+            out.setdefault(r.uid, []).append(r.token)
+    raise AssertionError("the generator did not finish")
+
+
 def _worst(a: list[mx.array], b: list[mx.array]) -> float:
     assert [x.shape for x in a] == [y.shape for y in b]
     return max((mx.abs(x - y).max().item() for x, y in zip(a, b)), default=0.0)
@@ -125,12 +136,7 @@ def test_the_generator_prefills_fresh_requests_together_and_a_cached_one_alone(
         caches=[cached, None, None, None],
         all_tokens=[PROMPTS[0][:4], [], [], []],
     )
-    out: dict[int, list[int]] = {}
-    for _ in range(200):
-        if not (gen.batch.uids or gen._queue):
-            break
-        for r in gen.next()[1]:
-            out.setdefault(r.uid, []).append(r.token)
+    out = _drain(gen)
     assert joint == [3] and alone == [uids[0]]
     assert [out[u] for u in uids] == refs
     assert gen.speculative_stats()["cycles"] > 0
@@ -161,12 +167,7 @@ def test_rotating_caches_decode_as_mlx_lm_batch_generator(loaded_heads, family: 
     monkeypatch.setattr(bg, "prepare_rows", lambda *a, **kw: joint.append(len(a[3])) or together(*a, **kw))
     gen = MTPBatchGenerator(model, head, max_kv_size=8, max_tokens=n)
     uids = gen.insert(prompts)
-    out: dict[int, list[int]] = {}
-    for _ in range(100):
-        if not (gen.batch.uids or gen._queue):
-            break
-        for r in gen.next()[1]:
-            out.setdefault(r.uid, []).append(r.token)
+    out = _drain(gen)
     gen.close()
     windowed = any(isinstance(c, RotatingKVCache) for c in rollback.leaves(make_prompt_cache(model, 8)))
     assert windowed == (family == "mimo")  # qwen3_5's own caches ignore max_kv_size
