@@ -17,6 +17,11 @@ Rules of this module:
   by this run's calibration, or disabled by its typed failure: then auto is the plain
   path and the gate says `disabled`); at the deepest k also `auto` depth. `auto_over_best`
   is auto / max(plain, forced on) per repeat.
+- A/A control (on unless `aa_control=False`): each repeat runs the baseline once more, last
+  in its order (first in the reversed one), and records its tokens/s over the first
+  baseline run's. Identical work at the widest spacing a repeat has: the range of these
+  ratios is how far this run's machine moves a ratio by itself, so a figure inside it is
+  not a difference.
 - Ideal: E[tokens per cycle] / ((t_verify + k t_head) / t_1) from this run's calibrated
   timings and the cell's measured per-position acceptance; efficiency = measured ratio /
   ideal, each repeat against its own run's acceptance (single cells decode a different
@@ -129,6 +134,7 @@ class Bench:
         requests_per_slot: int = 1,
         prompts: Sequence[Prompt] = (),
         progress: Callable[[int], None] | None = None,
+        aa_control: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -138,6 +144,7 @@ class Bench:
         self.max_tokens = max_tokens
         self.repeats = repeats
         self.requests_per_slot = requests_per_slot
+        self.aa_control = aa_control
         self.progress = progress or (lambda n: None)
         self.workload_prompts = list(prompts)
         self.prompts = [tokenizer.encode(p.text) for p in self.workload_prompts]
@@ -266,8 +273,11 @@ class Bench:
                 runs["auto"] = partial(seeded, r, controller)
                 if chooser is not None:
                     runs["auto_depth"] = partial(seeded, r, chooser)
+            if self.aa_control:
+                runs["plain_again"] = partial(plain, r)
             out = _interleaved(r, runs)
             (b_tps, b_mem), (m_tps, m_mem, gen) = out["plain"], out["mtp"]
+            self._aa(cell, out)
             stats = gen.speculative_stats()
             spec_stats.append(stats)
             cell.samples.append((b_tps, m_tps))
@@ -287,6 +297,12 @@ class Bench:
         self._finish(cell, spec_stats, clock)
         self._auto(cell, auto, auto_share, auto_depth, depth_k)
         return cell
+
+    @staticmethod
+    def _aa(cell: Cell, out: dict[str, Any]) -> None:
+        """Record the repeat's A/A ratio: the baseline's second run over its first."""
+        if "plain_again" in out and out["plain"][0] > 0:
+            cell.aa_ratios.append(out["plain_again"][0] / out["plain"][0])
 
     def _auto(
         self, cell: Cell, auto: list[float], share: list[float], depth: list[float], depth_k: Any
@@ -356,8 +372,11 @@ class Bench:
                 runs["auto"] = partial(self._mtp_single, prompt, k, temp, r, controller=controller)
                 if chooser is not None:
                     runs["auto_depth"] = partial(self._mtp_single, prompt, k, temp, r, controller=chooser)
+            if self.aa_control:
+                runs["plain_again"] = runs["plain"]
             out = _interleaved(r, runs)
             (b_tps, b_mem), (m_tps, m_mem, last) = out["plain"], out["mtp"]
+            self._aa(cell, out)
             cell.samples.append((b_tps, m_tps))
             if controller is not None:
                 auto.append(out["auto"][0])
@@ -496,6 +515,7 @@ def run(
     show_progress: bool = True,
     prompts: Sequence[Prompt] | None = None,
     requests_per_slot: int = 1,
+    aa_control: bool = True,
 ) -> dict[str, Any]:
     """Load, calibrate, run every cell; return the results as plain data."""
     from mlx_lm import load as mlx_load
@@ -518,6 +538,7 @@ def run(
         requests_per_slot=requests_per_slot,
         prompts=prompts,
         progress=bar.update,
+        aa_control=aa_control,
     )
     started = time.perf_counter()
     calibration = bench.calibrate(batch_sizes, ks)
@@ -530,6 +551,7 @@ def run(
         "max_tokens": max_tokens,
         "repeats": repeats,
         "requests_per_slot": requests_per_slot,
+        "aa_control": aa_control,
         "calibration": calibration,
         "prompts": [{"workload": p.workload, "source": p.source, "chars": len(p.text)} for p in prompts],
         "workloads": bench.workload_acceptance(max(ks)),

@@ -22,6 +22,12 @@ def _spread(c: dict[str, Any]) -> str:
     return f"{c['ratio_min']:.2f}-{c['ratio_max']:.2f}"
 
 
+def _aa(c: dict[str, Any]) -> str:
+    """The A/A range: the baseline against itself in the same repeats (the run's noise)."""
+    ratios = c.get("aa_ratios") or []
+    return f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
+
+
 def _breakdown(c: dict[str, Any]) -> str:
     b = c.get("breakdown_ms") or {}
     if not b:
@@ -57,12 +63,14 @@ def table(results: dict[str, Any]) -> str:
         )
     lines.append(
         f"{'path':6} {'B':>2} {'k':>2} {'T':>4} {'tok/s':>7} {'base':>7} {'ratio':>6} {'spread':>9} "
-        f"{'ideal':>6} {'eff':>5} {'fill':>5} {'acc':>5} {'auto':>5} {'a/best':>6} {'adepth':>6}  cycle ms"
+        f"{'a/a':>9} {'ideal':>6} {'eff':>5} {'fill':>5} {'acc':>5} {'auto':>5} {'a/best':>6} "
+        f"{'adepth':>6}  cycle ms"
     )
     for c in results["cells"]:
         lines.append(
             f"{c['path']:6} {c['batch_size']:>2} {c['k']:>2} {c['temp']:>4.1f} {c['tps']:>7.1f} "
-            f"{c['baseline_tps']:>7.1f} {c['ratio']:>6.2f} {_spread(c):>9} {_fmt(c['ideal_ratio']):>6} "
+            f"{c['baseline_tps']:>7.1f} {c['ratio']:>6.2f} {_spread(c):>9} {_aa(c):>9} "
+            f"{_fmt(c['ideal_ratio']):>6} "
             f"{_fmt(c['efficiency']):>5} {_fmt(c.get('batch_fill')):>5} {_fmt(c['acceptance_rate']):>5} "
             f"{_fmt(c.get('auto_over_plain')):>5} {_fmt(c.get('auto_over_best')):>6} "
             f"{_fmt(c.get('auto_depth_over_plain')):>6}  {_breakdown(c)}"
@@ -87,7 +95,13 @@ def markdown(results: dict[str, Any]) -> str:
         f"dtype `{r.get('dtype')}`, "
         f"mlx {r['mlx']}, mlx-lm {r['mlx_lm']}, {r['machine']}; model `{results['model']}`; "
         f"{results['max_tokens']} tokens per request, {_batching(results)}, median of {results['repeats']} "
-        "interleaved runs (spread: min-max of the per-run ratios).",
+        "interleaved runs (spread: min-max of the per-run ratios"
+        + (
+            "; A/A: mlx-lm's run repeated at the end of each repeat over its first run, min-max: "
+            "a ratio inside that range is within this run's noise)."
+            if results.get("aa_control")
+            else ")."
+        ),
         "",
     ]
     for k, entry in results.get("calibration", {}).items():
@@ -114,9 +128,9 @@ def markdown(results: dict[str, Any]) -> str:
             )
     out += [
         "",
-        "| path | B | k | T | tok/s | baseline | ratio | spread | ideal | efficiency | fill | accept "
+        "| path | B | k | T | tok/s | baseline | ratio | spread | A/A | ideal | efficiency | fill | accept "
         "| auto/plain | auto/best | auto depth/plain (k) | cycle ms: verify + head + not overlapped |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in results["cells"]:
         depth = _fmt(c.get("auto_depth_over_plain"))
@@ -124,7 +138,8 @@ def markdown(results: dict[str, Any]) -> str:
             depth += f" (k={c['auto_depth_k']})"
         out.append(
             f"| {c['path']} | {c['batch_size']} | {c['k']} | {c['temp']:.1f} | {c['tps']:.0f} "
-            f"| {c['baseline_tps']:.0f} | **{c['ratio']:.2f}** | {_spread(c)} | {_fmt(c['ideal_ratio'])} "
+            f"| {c['baseline_tps']:.0f} | **{c['ratio']:.2f}** | {_spread(c)} | {_aa(c)} "
+            f"| {_fmt(c['ideal_ratio'])} "
             f"| {_fmt(c['efficiency'])} | {_fmt(c.get('batch_fill'))} | {_fmt(c['acceptance_rate'])} "
             f"| {_fmt(c.get('auto_over_plain'))} "
             f"| {_fmt(c.get('auto_over_best'))} | {depth} | {_breakdown(c)} |"
@@ -136,7 +151,7 @@ def markdown(results: dict[str, Any]) -> str:
             continue
         out.append(
             f"| draft model (mlx-lm) | 1 | {d['k']} | {d['temp']:.1f} | {d['tps']:.0f} "
-            f"| {d['baseline_tps']:.0f} | **{d['ratio']:.2f}** | - | - | - | - | - | - | - | - | - |"
+            f"| {d['baseline_tps']:.0f} | **{d['ratio']:.2f}** | - | - | - | - | - | - | - | - | - | - |"
         )
     return "\n".join(out)
 

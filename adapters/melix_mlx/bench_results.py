@@ -53,6 +53,9 @@ class Cell:
     auto_depth_over_plain: float | None = None  # depth "auto" (deepest k cell only)
     auto_depth_k: int | None = None  # the depth it settled on
     samples: list[tuple[float, float]] = field(default_factory=list)
+    # A/A: the baseline run again at the end of each repeat, over its first run (the noise
+    # of this run at the widest spacing of the interleave; empty when not asked for)
+    aa_ratios: list[float] = field(default_factory=list)
 
 
 @dataclass

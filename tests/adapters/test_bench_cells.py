@@ -53,6 +53,30 @@ def test_cells_record_every_side_once_per_repeat():
         assert cell.auto_tps is not None and cell.auto_over_plain is not None
         assert cell.auto_depth_over_plain is not None and cell.auto_depth_k in (1, 2)
         assert cell.replay_forwards == 0 and cell.ratio_min <= cell.ratio <= cell.ratio_max
+        assert len(cell.aa_ratios) == 2 and all(a > 0 for a in cell.aa_ratios)  # A/A: one per repeat
+
+
+def test_the_aa_control_runs_the_baseline_again_at_the_far_end_of_each_repeat():
+    """The A/A ratio is the baseline's second run over its first, and the second run sits at
+    the other end of the repeat from the first (so it spans every candidate's run)."""
+    order: list[str] = []
+    speeds = iter([100.0, 80.0, 90.0, 60.0])  # baselines in run order: plain, plain_again; reversed
+
+    def timed(name: str):
+        def run():
+            order.append(name)
+            return (next(speeds), 0.0) if name.startswith("plain") else (50.0, 0.0, None)
+
+        return run
+
+    cell = Cell("batch", 2, 1, 0.0)
+    for repeat in range(2):
+        out = _interleaved(repeat, {n: timed(n) for n in ("plain", "mtp", "plain_again")})
+        Bench._aa(cell, out)
+    assert order == ["plain", "mtp", "plain_again", "plain_again", "mtp", "plain"]
+    assert cell.aa_ratios == [80.0 / 100.0, 90.0 / 60.0]
+    Bench._aa(empty := Cell("batch", 2, 1, 0.0), {"plain": (100.0, 0.0), "mtp": (1.0, 0.0, None)})
+    assert empty.aa_ratios == []  # not asked for: nothing recorded
 
 
 def test_each_repeat_is_set_against_the_ideal_of_its_own_acceptance():

@@ -25,12 +25,14 @@ REGIME = {
 def _results() -> dict:
     batch = Cell("batch", 4, 2, 0.0, tps=120.0, baseline_tps=100.0, ratio=1.2, ratio_min=1.1, ratio_max=1.3)
     batch.batch_fill, batch.ideal_ratio, batch.efficiency, batch.acceptance_rate = 0.84, 1.5, 0.8, 0.7
+    batch.aa_ratios = [1.04, 0.91, 0.97]
     single = Cell("single", 1, 2, 0.0, tps=50.0, baseline_tps=40.0, ratio=1.25, ratio_min=1.2, ratio_max=1.3)
     return {
         "regime": REGIME,
         "model": "m",
         "max_tokens": 64,
         "repeats": 3,
+        "aa_control": True,
         "calibration": {},
         "workloads": [],
         "cells": [asdict(batch), asdict(single)],
@@ -64,3 +66,17 @@ def test_the_report_says_whether_batch_cells_were_a_fixed_batch_or_continuous_ba
     assert "a fixed batch of B requests" in markdown(fixed) and "continuous" not in markdown(fixed)
     assert "continuous batching (3 x B requests queued, B rows at a time)" in markdown(queued)
     assert "continuous batching" in table(queued).splitlines()[0]
+
+
+def test_the_aa_range_is_reported_beside_the_spread():
+    lines = [line for line in markdown(_results()).splitlines() if line.startswith("|")]
+    header, batch, single = lines[-5], lines[-3], lines[-2]
+    names = [c.strip() for c in header.strip("|").split("|")]
+    assert names.index("A/A") == names.index("spread") + 1
+    assert batch.strip("|").split("|")[names.index("A/A")].strip() == "0.91-1.04"
+    assert single.strip("|").split("|")[names.index("A/A")].strip() == "-"  # not recorded: no range
+    assert "A/A: mlx-lm's run repeated" in markdown(_results())
+    text = table(_results()).splitlines()
+    columns = next(line for line in text if line.startswith("path")).split()
+    row = next(line for line in text if line.startswith("batch")).split()
+    assert row[columns.index("a/a")] == "0.91-1.04"

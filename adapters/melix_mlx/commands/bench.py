@@ -49,6 +49,12 @@ def register(subparsers: Any) -> None:
         help="batch cells: queue B x N requests to generators capped at B rows (continuous batching: "
         "a finished row is replaced from the queue); default 1, a fixed batch",
     )
+    p.add_argument(
+        "--no-aa-control",
+        action="store_true",
+        help="skip the A/A control (mlx-lm's run once more per repeat, so each cell reports how far "
+        "this machine moves a ratio by itself); saves about a quarter of the run",
+    )
     p.add_argument("--regime", choices=["current", "reference", "openblas", "both"], default="current")
     p.add_argument("--out", type=Path, default=Path("bench-results"))
     p.add_argument(
@@ -82,6 +88,8 @@ def _child(args: argparse.Namespace, regime: str) -> dict[str, Any]:
         argv += ["--draft-model", str(args.draft_model)]
     if args.no_progress:
         argv.append("--no-progress")
+    if args.no_aa_control:
+        argv.append("--no-aa-control")
     subprocess.run(argv, env=env, check=True)
     return json.loads((args.out / f"bench-{regime}.json").read_text())
 
@@ -130,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
                 show_progress=not args.no_progress,
                 prompts=prompts,
                 requests_per_slot=args.requests_per_slot,
+                aa_control=not args.no_aa_control,
             )
         except HeadLoadError as exc:
             print(f"melix-fsm bench: refused: {exc.reason}: {exc}", file=sys.stderr)
