@@ -1,0 +1,159 @@
+"""How much host time mlx's CPU backend leaves un-overlapped: one decode loop, two dispatchers.
+
+    python benchmarks/bench_cpu_dispatch.py --model stdlib-hybrid --regime openblas --repeats 10
+
+Why this exists: on a CPU, `mx.async_eval` does not return once the graph is queued. mlx's
+evaluation loop (mlx/transforms.cpp) waits whenever more than MAX_ACTIVE_TASKS = 10
+scheduler tasks are outstanding, and the CPU encoder (mlx/backend/cpu/encoder.h) counts
+one task per DISPATCHES_PER_TASK = 10 kernels: the caller's thread keeps dispatching until
+at most ~100 kernels are left, i.e. until the step is nearly computed. A decode loop that
+builds step n + 1 after launching step n (mlx-lm's generate_step, this project's
+run-ahead) therefore builds it serially on a CPU; on a GPU the same call returns once the
+command buffers are committed. Both constants are compile-time, so nothing in Python
+changes them.
+
+The measurement: mlx-lm's own pipelined greedy loop (launch step n + 1, then read token n)
+over the same loaded model, with `async_eval` called (a) on the caller's thread, as
+mlx-lm does, and (b) from a worker thread, on a stream mlx lets any thread use
+(`mx.new_thread_unsafe_stream`), so the caller builds step n + 1 while the worker is
+still dispatching step n. The two runs alternate (ABBA); the tokens must be identical.
+The worker-thread form is a measurement, not a decode path this project ships: with it
+every other evaluation on that stream must wait until the worker is idle (one encoder,
+no lock), which mlx-lm's own code does not know to do (BENCHMARKS.md, "Ninth round").
+
+Prints one JSON object: tokens/s of each, the median ratio and its min-max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+
+
+def _reexec_with_openblas() -> None:
+    """The bandwidth-bound regime: OpenBLAS must be loaded before mlx (as `bench --regime openblas`)."""
+    if OPENBLAS in os.environ.get("LD_PRELOAD", ""):
+        return
+    if not Path(OPENBLAS).exists():
+        sys.exit(f"--regime openblas: {OPENBLAS} not found")
+    env = dict(os.environ, LD_PRELOAD=OPENBLAS, OPENBLAS_NUM_THREADS="1")
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+class _Dispatcher:
+    """A worker thread that calls `mx.async_eval` for the caller, in submission order."""
+
+    def __init__(self, mx) -> None:
+        self._mx = mx
+        self._jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            arrays, done, failure = self._jobs.get()
+            try:
+                self._mx.async_eval(*arrays)
+            except BaseException as exc:  # handed to the waiting caller
+                failure.append(exc)
+            done.set()
+
+    def submit(self, *arrays) -> Callable[[], None]:
+        """Queue the arrays; the returned call blocks until the worker has dispatched them."""
+        done, failure = threading.Event(), []
+        self._jobs.put((arrays, done, failure))
+
+        def wait() -> None:
+            done.wait()
+            if failure:
+                raise failure[0]
+
+        return wait
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="stdlib-hybrid")
+    parser.add_argument("--regime", choices=["openblas", "reference"], default="openblas")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    if args.regime == "openblas":
+        _reexec_with_openblas()
+
+    import mlx.core as mx
+    from melix_mlx.checkpoints import resolve_model
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if mx.default_device().type != mx.DeviceType.cpu:
+        sys.exit("this measures mlx's CPU backend; the default device is not a CPU")
+    caller_stream = mx.default_stream(mx.cpu)
+    shared_stream = mx.new_thread_unsafe_stream(mx.cpu)
+    model, tokenizer = load(str(resolve_model(args.model)))
+    prompt = mx.array(tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n" * 4))
+    dispatcher = _Dispatcher(mx)
+
+    def step(y, cache):
+        return mx.argmax(model(y[None], cache=cache)[:, -1, :], axis=-1)
+
+    def decode(threaded: bool) -> tuple[float, list[int]]:
+        mx.set_default_stream(shared_stream if threaded else caller_stream)
+        try:
+            cache = make_prompt_cache(model)
+            y = step(prompt, cache)
+            mx.eval(y)
+            launch = dispatcher.submit if threaded else (lambda a: (mx.async_eval(a), lambda: None)[1])
+            tokens = []
+            start = time.perf_counter()
+            following = step(y, cache)
+            ready = launch(following)
+            for _ in range(args.max_tokens):
+                current, current_ready = following, ready
+                following = step(current, cache)  # built while `current` computes
+                ready = launch(following)
+                current_ready()
+                tokens.append(current.item())
+            ready()
+            return args.max_tokens / (time.perf_counter() - start), tokens
+        finally:
+            mx.set_default_stream(caller_stream)
+
+    rates: dict[str, list[float]] = {"caller_thread": [], "worker_thread": []}
+    reference: list[int] | None = None
+    for r in range(args.repeats):
+        order = [False, True] if r % 2 == 0 else [True, False]
+        for threaded in order:
+            tps, tokens = decode(threaded)
+            reference = tokens if reference is None else reference
+            if tokens != reference:
+                sys.exit("the two dispatchers decoded different tokens")
+            rates["worker_thread" if threaded else "caller_thread"].append(tps)
+    ratios = [w / c for w, c in zip(rates["worker_thread"], rates["caller_thread"])]
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "regime": args.regime,
+                "repeats": args.repeats,
+                "caller_thread_tps": round(statistics.median(rates["caller_thread"]), 1),
+                "worker_thread_tps": round(statistics.median(rates["worker_thread"]), 1),
+                "worker_over_caller": round(statistics.median(ratios), 3),
+                "ratio_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
+                "identical_tokens": True,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
