@@ -1,4 +1,4 @@
-"""How much host time mlx's CPU backend leaves un-overlapped: one decode loop, two dispatchers.
+"""How much host time mlx's CPU backend leaves un-overlapped: one decode loop, three dispatchers.
 
     python benchmarks/bench_cpu_dispatch.py --model stdlib-hybrid --regime openblas --repeats 10
 
@@ -13,15 +13,21 @@ command buffers are committed. Both constants are compile-time, so nothing in Py
 changes them.
 
 The measurement: mlx-lm's own pipelined greedy loop (launch step n + 1, then read token n)
-over the same loaded model, with `async_eval` called (a) on the caller's thread, as
-mlx-lm does, and (b) from a worker thread, on a stream mlx lets any thread use
-(`mx.new_thread_unsafe_stream`), so the caller builds step n + 1 while the worker is
-still dispatching step n. The two runs alternate (ABBA); the tokens must be identical.
-The worker-thread form is a measurement, not a decode path this project ships: with it
+over the same loaded model, with `async_eval` called
+- `caller_thread`: on the caller's thread, as mlx-lm does;
+- `worker_thread`: from a worker thread, on a stream mlx lets any thread use
+  (`mx.new_thread_unsafe_stream`), so the caller builds step n + 1 while the worker is
+  still dispatching step n;
+- `dispatch_points`: on the caller's thread, and also after every `--dispatch-every`
+  layers while a step is built, so each block of layers is built while the block before
+  it computes (one thread; the layers' classes are swapped for the run, then restored).
+The three alternate (ABBA); the tokens must be identical. Neither alternative is a
+decode path this project ships (BENCHMARKS.md, "Ninth round"): with the worker thread
 every other evaluation on that stream must wait until the worker is idle (one encoder,
-no lock), which mlx-lm's own code does not know to do (BENCHMARKS.md, "Ninth round").
+no lock), which mlx-lm's own code does not know to do.
 
-Prints one JSON object: tokens/s of each, the median ratio and its min-max.
+Prints one JSON object: tokens/s of each, each alternative's median ratio to the caller
+thread and its min-max.
 """
 
 from __future__ import annotations
@@ -80,18 +86,37 @@ class _Dispatcher:
         return wait
 
 
+_DISPATCHING: dict[type, type] = {}
+
+
+def _dispatching(layer_class: type, mx) -> type:
+    """`layer_class` whose call also starts evaluating its output (`mx.async_eval`)."""
+    if layer_class not in _DISPATCHING:
+
+        def __call__(self, *args, **kwargs):
+            out = layer_class.__call__(self, *args, **kwargs)
+            mx.async_eval(out)
+            return out
+
+        name = f"Dispatching{layer_class.__name__}"
+        _DISPATCHING[layer_class] = type(name, (layer_class,), {"__call__": __call__})
+    return _DISPATCHING[layer_class]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="stdlib-hybrid")
     parser.add_argument("--regime", choices=["openblas", "reference"], default="openblas")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--dispatch-every", type=int, default=4, help="layers between dispatch points")
     args = parser.parse_args()
     if args.regime == "openblas":
         _reexec_with_openblas()
 
     import mlx.core as mx
     from melix_mlx.checkpoints import resolve_model
+    from melix_mlx.hidden import main_parts
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -106,8 +131,19 @@ def main() -> None:
     def step(y, cache):
         return mx.argmax(model(y[None], cache=cache)[:, -1, :], axis=-1)
 
-    def decode(threaded: bool) -> tuple[float, list[int]]:
+    layers = main_parts(model).inner.layers
+    plain_classes = [type(layer) for layer in layers]
+
+    def set_dispatch_points(every: int) -> None:
+        """Every `every`-th layer (not the last) dispatches its output as it is built."""
+        for i, layer in enumerate(layers):
+            point = every and (i + 1) % every == 0 and i + 1 < len(layers)
+            layer.__class__ = _dispatching(plain_classes[i], mx) if point else plain_classes[i]
+
+    def decode(mode: str) -> tuple[float, list[int]]:
+        threaded = mode == "worker_thread"
         mx.set_default_stream(shared_stream if threaded else caller_stream)
+        set_dispatch_points(args.dispatch_every if mode == "dispatch_points" else 0)
         try:
             cache = make_prompt_cache(model)
             y = step(prompt, cache)
@@ -127,32 +163,33 @@ def main() -> None:
             return args.max_tokens / (time.perf_counter() - start), tokens
         finally:
             mx.set_default_stream(caller_stream)
+            set_dispatch_points(0)
 
-    rates: dict[str, list[float]] = {"caller_thread": [], "worker_thread": []}
+    modes = ["caller_thread", "worker_thread", "dispatch_points"]
+    rates: dict[str, list[float]] = {mode: [] for mode in modes}
     reference: list[int] | None = None
     for r in range(args.repeats):
-        order = [False, True] if r % 2 == 0 else [True, False]
-        for threaded in order:
-            tps, tokens = decode(threaded)
+        for mode in modes if r % 2 == 0 else modes[::-1]:
+            tps, tokens = decode(mode)
             reference = tokens if reference is None else reference
             if tokens != reference:
-                sys.exit("the two dispatchers decoded different tokens")
-            rates["worker_thread" if threaded else "caller_thread"].append(tps)
-    ratios = [w / c for w, c in zip(rates["worker_thread"], rates["caller_thread"])]
-    print(
-        json.dumps(
-            {
-                "model": args.model,
-                "regime": args.regime,
-                "repeats": args.repeats,
-                "caller_thread_tps": round(statistics.median(rates["caller_thread"]), 1),
-                "worker_thread_tps": round(statistics.median(rates["worker_thread"]), 1),
-                "worker_over_caller": round(statistics.median(ratios), 3),
-                "ratio_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
-                "identical_tokens": True,
-            }
-        )
-    )
+                sys.exit(f"{mode} decoded different tokens")
+            rates[mode].append(tps)
+    out: dict[str, object] = {
+        "model": args.model,
+        "regime": args.regime,
+        "repeats": args.repeats,
+        "layers": len(layers),
+        "dispatch_every": args.dispatch_every,
+        "identical_tokens": True,
+    }
+    for mode in modes:
+        out[f"{mode}_tps"] = round(statistics.median(rates[mode]), 1)
+    for mode in modes[1:]:
+        ratios = [a / b for a, b in zip(rates[mode], rates["caller_thread"])]
+        out[f"{mode}_over_caller"] = round(statistics.median(ratios), 3)
+        out[f"{mode}_min_max"] = [round(min(ratios), 3), round(max(ratios), 3)]
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
