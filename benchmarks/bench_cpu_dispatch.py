@@ -43,16 +43,22 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+from melix_mlx.commands.bench import OPENBLAS
 
 
-def _reexec_with_openblas() -> None:
-    """The bandwidth-bound regime: OpenBLAS must be loaded before mlx (as `bench --regime openblas`)."""
-    if OPENBLAS in os.environ.get("LD_PRELOAD", ""):
+def _reexec_in_regime(regime: str) -> None:
+    """Load the regime's BLAS before mlx, as `melix-fsm bench --regime` does for its children:
+    OpenBLAS preloaded with one thread (bandwidth-bound), or mlx's own (reference)."""
+    preloaded = OPENBLAS in os.environ.get("LD_PRELOAD", "")
+    if preloaded == (regime == "openblas"):
         return
-    if not Path(OPENBLAS).exists():
-        sys.exit(f"--regime openblas: {OPENBLAS} not found")
-    env = dict(os.environ, LD_PRELOAD=OPENBLAS, OPENBLAS_NUM_THREADS="1")
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    if regime == "openblas":
+        if not Path(OPENBLAS).exists():
+            sys.exit(f"--regime openblas: {OPENBLAS} not found (apt-get install libopenblas0-pthread)")
+        env["LD_PRELOAD"] = OPENBLAS
+        env.setdefault("OPENBLAS_NUM_THREADS", "1")
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
@@ -111,8 +117,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--dispatch-every", type=int, default=4, help="layers between dispatch points")
     args = parser.parse_args()
-    if args.regime == "openblas":
-        _reexec_with_openblas()
+    _reexec_in_regime(args.regime)
 
     import mlx.core as mx
     from melix_mlx.checkpoints import resolve_model
