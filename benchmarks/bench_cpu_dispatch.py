@@ -41,24 +41,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-from melix_mlx.commands.bench import OPENBLAS
+from melix_mlx.commands.bench import OPENBLAS, regime_env
 
 
 def _reexec_in_regime(regime: str) -> None:
-    """Load the regime's BLAS before mlx, as `melix-fsm bench --regime` does for its children:
-    OpenBLAS preloaded with one thread (bandwidth-bound), or mlx's own (reference)."""
-    preloaded = OPENBLAS in os.environ.get("LD_PRELOAD", "")
-    if preloaded == (regime == "openblas"):
+    """Load the regime's BLAS before mlx, as `melix-fsm bench --regime` does for its children."""
+    if (OPENBLAS in os.environ.get("LD_PRELOAD", "")) == (regime == "openblas"):
         return
-    env = dict(os.environ)
-    env.pop("LD_PRELOAD", None)
-    if regime == "openblas":
-        if not Path(OPENBLAS).exists():
-            sys.exit(f"--regime openblas: {OPENBLAS} not found (apt-get install libopenblas0-pthread)")
-        env["LD_PRELOAD"] = OPENBLAS
-        env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    try:
+        env = regime_env(regime)
+    except FileNotFoundError as exc:
+        sys.exit(f"--regime openblas: {exc} not found")
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
@@ -133,6 +127,11 @@ def main() -> None:
     prompt = mx.array(tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n" * 4))
     dispatcher = _Dispatcher(mx)
 
+    def dispatch_here(*arrays) -> Callable[[], None]:
+        """mlx-lm's way: `async_eval` on the caller's thread (it returns when dispatched)."""
+        mx.async_eval(*arrays)
+        return lambda: None
+
     def step(y, cache):
         return mx.argmax(model(y[None], cache=cache)[:, -1, :], axis=-1)
 
@@ -153,7 +152,7 @@ def main() -> None:
             cache = make_prompt_cache(model)
             y = step(prompt, cache)
             mx.eval(y)
-            launch = dispatcher.submit if threaded else (lambda a: (mx.async_eval(a), lambda: None)[1])
+            launch = dispatcher.submit if threaded else dispatch_here
             tokens = []
             start = time.perf_counter()
             following = step(y, cache)

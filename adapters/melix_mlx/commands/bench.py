@@ -69,7 +69,9 @@ def register(subparsers: Any) -> None:
     p.set_defaults(run=run)
 
 
-def _child(args: argparse.Namespace, regime: str) -> dict[str, Any]:
+def regime_env(regime: str) -> dict[str, str]:
+    """This process's environment for a child in `regime` ("reference" or "openblas"):
+    LD_PRELOAD cleared, or set to OpenBLAS with one thread unless OPENBLAS_NUM_THREADS is set."""
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
     if regime == "openblas":
@@ -77,6 +79,11 @@ def _child(args: argparse.Namespace, regime: str) -> dict[str, Any]:
             raise FileNotFoundError(f"{OPENBLAS} (apt-get install libopenblas0-pthread)")
         env["LD_PRELOAD"] = OPENBLAS
         env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    return env
+
+
+def _child(args: argparse.Namespace, regime: str) -> dict[str, Any]:
+    env = regime_env(regime)
     argv = [sys.executable, "-m", "melix_fsm.cli", "bench", "--regime", "current", "--out", str(args.out)]
     argv += ["--model", str(args.model), "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats)]
     argv += ["--requests-per-slot", str(args.requests_per_slot)]
