@@ -66,7 +66,9 @@ def prepare_row(
     """Prefill one row alone; draw its first token; prime its head cache from the prompt."""
     cache = request.cache or make_prompt_cache(model, max_kv_size)
     logits, hiddens = prefill_with_hidden(model, mx.array(request.prompt), cache, prefill_step_size)
-    return _ready(model, head, engine, request, cache, logits, hiddens, refusal, head_disabled)
+    return _ready(
+        model, head, engine, request, cache, logits, hiddens, refusal, head_disabled, prefill_step_size
+    )
 
 
 def joins_fresh(request: InsertRequest) -> bool:
@@ -118,7 +120,10 @@ def prepare_rows(
     rows = []
     for i, request in enumerate(requests):
         own = [c.extract(i) for c in cache]
-        row = _ready(model, head, engine, request, own, logits[i : i + 1], hiddens[i], refusal, head_disabled)
+        row = _ready(
+            model, head, engine, request, own, logits[i : i + 1], hiddens[i],
+            refusal, head_disabled, prefill_step_size,
+        )
         rows.append(row)
     return rows
 
@@ -133,6 +138,7 @@ def _ready(
     hiddens: mx.array,
     refusal: str | None,
     head_disabled: bool,
+    step_size: int,
 ) -> PreparedRow:
     """A prefilled row's state, first token and primed head."""
     hiddens, fed = whole_prompt(request, hiddens)  # earlier segments included
@@ -157,7 +163,7 @@ def _ready(
     head_cache = head.make_cache() if head is not None else []
     row_head = RowHead()
     if head is not None and not head_disabled:
-        row_head = engine.prime(head_cache, hiddens, [*fed[1:], state.y], state.params)
+        row_head = engine.prime(head_cache, hiddens, [*fed[1:], state.y], state.params, step_size)
         mx.eval([c.state for c in head_cache], row_head.draft)
     mx.eval([c.state for c in cache])
     return PreparedRow(state, cache, head_cache, row_head, logprobs[0])

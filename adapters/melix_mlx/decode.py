@@ -307,7 +307,11 @@ class MTPDecoder:
         row = RowHead()
         disabled = getattr(self.controller, "disabled", False)  # never speculates: no head work
         if self.head is not None and self.refusal is None and not disabled:
-            row = self.engine.prime(self.head_cache, hiddens, [*prompt_tokens[1:], y], self.params)
+            pairs = [*prompt_tokens[1:], y]
+            row = self.engine.prime(self.head_cache, hiddens, pairs, self.params, self.prefill_step_size)
+            # the head's pass over the prompt is prompt processing (the batch path's rows
+            # are primed the same way): done before the first token, not in the first cycle
+            mx.eval(row.draft, row.hidden, [c.state for c in self.head_cache])
         self.engine.extend(mx.array([y]), [row])
         if self.processors:
             self._history = TokenHistory([*prompt_tokens, y])  # everything before y, then y

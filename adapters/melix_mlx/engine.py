@@ -125,6 +125,23 @@ class ForwardFailed(MelixError):
         self.cause = cause
 
 
+def _head_at(
+    head: nn.Module, hidden: mx.array, tokens: mx.array, cache: list[Any], at: mx.array
+) -> tuple[mx.array, mx.array]:
+    """The head over `tokens` [B, L]: (logits [B, V], head_hidden [B, 1, D]) at slot `at` [B].
+
+    A head with `trunk` / `logits` (every family head) projects only that slot to the
+    vocabulary; one without (a draft model in the head slot) is called whole and sliced.
+    """
+    index = at.astype(mx.int32).reshape(-1, 1, 1)
+    trunk = getattr(head, "trunk", None)
+    if trunk is None:
+        logits, out = head(hidden, tokens, cache)
+        return mx.take_along_axis(logits, index, axis=1)[:, 0], mx.take_along_axis(out, index, axis=1)
+    out = mx.take_along_axis(trunk(hidden, tokens, cache), index, axis=1)
+    return head.logits(out)[:, 0], out
+
+
 def _forward(fn: Callable[..., Any], *args: Any) -> Any:
     """Call a model or head forward; its exceptions are speculative faults."""
     try:
@@ -284,17 +301,35 @@ class CycleEngine:
         return len(self.rows)
 
     def prime(
-        self, head_cache: list[Any], hiddens: mx.array, pair_tokens: list[int], params: SamplingParams | None
+        self,
+        head_cache: list[Any],
+        hiddens: mx.array,
+        pair_tokens: list[int],
+        params: SamplingParams | None,
+        step_size: int = 2048,
     ) -> RowHead:
-        """A joining row's head: feed its prompt pairs (h_i, t_{i+1}) into `head_cache`."""
+        """A joining row's head: feed its prompt pairs (h_i, t_{i+1}) into `head_cache`.
+
+        In chunks of `step_size` as the prefill feeds the model (each chunk's head cache
+        evaluated before the next is built), and only the last slot projected to the
+        vocabulary: the row's first draft is all a prime draws.
+        """
         row = RowHead()
         if self.head is None:
             return row
-        logits, out = self.head(hiddens[None], mx.array([pair_tokens]), head_cache)
+        tokens = mx.array(pair_tokens)
+        start, n = 0, hiddens.shape[0]
+        while n - start > step_size:
+            end = start + step_size
+            # the chunk's logits are never evaluated, so never computed
+            self.head(hiddens[None, start:end], tokens[None, start:end], head_cache)
+            mx.eval([c.state for c in head_cache])
+            start = end
+        rest_h, rest_t, last = hiddens[None, start:], tokens[None, start:], mx.array([n - start - 1])
+        logits, row.hidden = _head_at(self.head, rest_h, rest_t, head_cache, last)
         self.head_forwards += 1
-        drafts, qs = self._draw(logits[:, -1], [params])
+        drafts, qs = self._draw(logits, [params])
         row.draft, row.q = drafts, qs[0]
-        row.hidden = out[:, -1:]
         return row
 
     def extend(self, y: mx.array, rows: list[RowHead]) -> None:
@@ -348,12 +383,11 @@ class CycleEngine:
             hs.append(mx.concatenate([h, mx.zeros((pad, dim), dtype)]) if pad else h)
             ts.append(mx.concatenate([t, mx.zeros((pad,), mx.uint32)]) if pad else t)
             real.append(n)
-        logits, out = _forward(self.head, mx.stack(hs), mx.stack(ts), self.head_cache)
+        last = mx.array([max(n - 1, 0) for n in real])
+        stacked_h, stacked_t = mx.stack(hs), mx.stack(ts)
+        step_logits, step_hidden = _forward(_head_at, self.head, stacked_h, stacked_t, self.head_cache, last)
         self.head_forwards += 1
         rollback.drop_row_suffixes(self.head_cache, [width - n for n in real])
-        last = mx.array([max(n - 1, 0) for n in real])
-        step_logits = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
-        step_hidden = mx.take_along_axis(out, last[:, None, None], axis=1)
         drafts, qs = self._draw(step_logits, [p.params for p in plans])
         for i in stale:
             row = self.rows[i]
@@ -473,14 +507,16 @@ class CycleEngine:
         pair_tokens = mx.where(pos < kept[:, None], padded, bonus[:, None].astype(mx.uint32))
         marked = absorbed_mla.arm(rollback.leaves(self.head_cache))
         try:
-            head_logits, head_hidden = _forward(self.head, hidden, pair_tokens, self.head_cache)
+            # the accepted slot's draft only: one row of the output projection per row
+            head_logits, next_hidden = _forward(
+                _head_at, self.head, hidden, pair_tokens, self.head_cache, kept
+            )
         finally:
             absorbed_mla.disarm(marked)
         self.head_forwards += 1
         if in_graph:
             rollback.drop_row_suffixes(self.head_cache, K - kept)
-        at = kept[:, None, None]
-        next_draft, next_q = self._draw(mx.take_along_axis(head_logits, at, axis=1)[:, 0], params)
+        next_draft, next_q = self._draw(head_logits, params)
         return Flight(
             K=K,
             ks=ks,
@@ -491,7 +527,7 @@ class CycleEngine:
             bonus=bonus,
             next_draft=next_draft.astype(mx.uint32),
             next_q=next_q,
-            next_hidden=mx.take_along_axis(head_hidden, at, axis=1),
+            next_hidden=next_hidden,
             mark=cp,
             head_mark=head_cp,
             before=before,

@@ -20,6 +20,12 @@ loads the weights). ``head`` is an ``mlx.nn.Module`` with:
     mask         None builds the causal mask over the head cache (mlx-lm rules);
                  pass an explicit one for padded batches.
 
+``head.trunk(hidden, next_tokens, cache=None, mask=None) -> head_hidden`` and
+``head.logits(head_hidden) -> logits``: the call in two parts (every family head has
+them), so the engine projects to the vocabulary only the slots it draws from: the last
+of a prompt's prime (not [n, V] logits for an n-token prompt), the accepted slot of a
+cycle's K + 1. A head without them (a draft model in the head slot) is called whole.
+
 Class constants: ``FAMILY``, ``CHAIN_POST_NORM`` (qwen3_5 / qwen3_5_moe / qwen3_next /
 mimo True, deepseek_v3 / glm4_moe / glm4_moe_lite False), ``CONCAT_ORDER`` ("hidden_first" for mimo,
 "embedding_first" for the rest), ``NUM_LAYERS`` (layers in the head's cache list: 1).

@@ -52,6 +52,24 @@ class MTPHeadBase(nn.Module):
             return cls(parts.args, parts.embed_tokens, parts.lm_head, own_lm_head=own_lm_head)
         return cls(parts.args, parts.embed_tokens, parts.lm_head)
 
+    def __call__(
+        self, hidden: mx.array, next_tokens: mx.array, cache: list[Any] | None = None, mask: Any = None
+    ) -> tuple[mx.array, mx.array]:
+        """(logits [B, L, V], head_hidden [B, L, D]): `trunk`, then `logits` at every slot."""
+        out = self.trunk(hidden, next_tokens, cache, mask)
+        return self.logits(out), out
+
+    def trunk(
+        self, hidden: mx.array, next_tokens: mx.array, cache: list[Any] | None = None, mask: Any = None
+    ) -> mx.array:
+        """head_hidden [B, L, D]: everything but the output projection (per family)."""
+        raise NotImplementedError
+
+    def logits(self, head_hidden: mx.array) -> mx.array:
+        """Draft logits of `head_hidden` slots: callers pass only the slots they draw from,
+        so a prompt's prime or a cycle's K + 1 slots cost one output projection each."""
+        raise NotImplementedError
+
     def embed(self, tokens: mx.array) -> mx.array:
         return self._shared.embed(tokens)
 

@@ -72,23 +72,24 @@ class MTPHead(MTPHeadBase):
         # MLA wants a boolean array mask (or None for one token)
         return create_attention_mask(x, cache, return_array=True)
 
-    def __call__(
+    def trunk(
         self,
         hidden: mx.array,
         next_tokens: mx.array,
         cache: list[Any] | None = None,
         mask: Any = None,
-    ) -> tuple[mx.array, mx.array]:
+    ) -> mx.array:
         e = self.enorm(self.embed(next_tokens))
         h = self.hnorm(hidden)
         x = self.eh_proj(mx.concatenate([e, h], axis=-1))
         c = self._first(cache)
         if mask is None:
             mask = self._mask(x, c)
-        x = self.block(x, mask, c)
-        normed = self.shared_head.norm(x)
-        logits = self.shared_head.head(normed) if self.own_lm_head else self.main_lm_head(normed)
-        return logits, x
+        return self.block(x, mask, c)  # pre-norm: what depth k > 1 chains (CHAIN_POST_NORM False)
+
+    def logits(self, head_hidden: mx.array) -> mx.array:
+        normed = self.shared_head.norm(head_hidden)
+        return self.shared_head.head(normed) if self.own_lm_head else self.main_lm_head(normed)
 
 
 def is_head_key(key: str, config: dict[str, Any]) -> bool:

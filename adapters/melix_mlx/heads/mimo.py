@@ -38,13 +38,13 @@ class MTPHead(MTPHeadBase):
         self.block = TransformerBlock(args)
         self.final_layernorm = nn.RMSNorm(d, eps=eps)
 
-    def __call__(
+    def trunk(
         self,
         hidden: mx.array,
         next_tokens: mx.array,
         cache: list[Any] | None = None,
         mask: Any = None,
-    ) -> tuple[mx.array, mx.array]:
+    ) -> mx.array:
         h = self.hidden_layernorm(hidden)
         e = self.token_layernorm(self.embed(next_tokens))
         x = self.input_proj(mx.concatenate([h, e], axis=-1))
@@ -53,7 +53,10 @@ class MTPHead(MTPHeadBase):
             mask = create_attention_mask(x, c)
         x = self.block(x, mask, c)
         out = self.final_layernorm(x)
-        return self.main_lm_head(out), out
+        return out  # post-norm: the lm_head input, chained as is
+
+    def logits(self, head_hidden: mx.array) -> mx.array:
+        return self.main_lm_head(head_hidden)
 
 
 def is_head_key(key: str, config: dict[str, Any]) -> bool:

@@ -57,13 +57,13 @@ class MTPHead(MTPHeadBase):
         # layer_idx chosen so that mlx-lm builds a full-attention (not linear) layer
         return DecoderLayer(args, layer_idx=args.full_attention_interval - 1)
 
-    def __call__(
+    def trunk(
         self,
         hidden: mx.array,
         next_tokens: mx.array,
         cache: list[Any] | None = None,
         mask: Any = None,
-    ) -> tuple[mx.array, mx.array]:
+    ) -> mx.array:
         e = self.pre_fc_norm_embedding(self.embed(next_tokens))
         h = self.pre_fc_norm_hidden(hidden)
         x = self.fc(mx.concatenate([e, h], axis=-1))
@@ -72,7 +72,10 @@ class MTPHead(MTPHeadBase):
             mask = create_attention_mask(x, c)
         x = self.layers[0](x, mask=mask, cache=c)
         out = self.norm(x)
-        return self.main_lm_head(out), out
+        return out  # post-norm: the lm_head input, chained as is
+
+    def logits(self, head_hidden: mx.array) -> mx.array:
+        return self.main_lm_head(head_hidden)
 
 
 def is_head_key(key: str, config: dict[str, Any]) -> bool:

@@ -58,6 +58,14 @@ class StackedHead(nn.Module):
     ) -> tuple[mx.array, mx.array]:
         return self.heads[0](hidden, next_tokens, cache, mask)
 
+    def trunk(
+        self, hidden: mx.array, next_tokens: mx.array, cache: list[Any] | None = None, mask: Any = None
+    ) -> mx.array:
+        return self.heads[0].trunk(hidden, next_tokens, cache, mask)
+
+    def logits(self, head_hidden: mx.array) -> mx.array:
+        return self.heads[0].logits(head_hidden)
+
     def layer_for_step(self, step: int) -> int:
         """The head layer draft step ``step`` (0 = the cycle's first draft) runs."""
         return min(step, len(self.heads) - 1)
