@@ -100,14 +100,14 @@ def _interleaved(repeat: int, runs: dict[str, Callable[[], Any]]) -> dict[str, A
     return {name: runs[name]() for name in order}
 
 
-def _run_batch(gen: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, int]:
-    """(generation tokens/s, peak GB, tokens) for one generator run to completion."""
+def _run_batch(gen: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, float]:
+    """(generation tokens/s, peak GB, prompt tokens/s) for one generator run to completion."""
     mx.reset_peak_memory()
     with gen.stats() as stats:
         gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
         while gen.next_generated():
             pass
-    return stats.generation_tps, mx.get_peak_memory() / 1e9, stats.generation_tokens
+    return stats.generation_tps, mx.get_peak_memory() / 1e9, stats.prompt_tps
 
 
 def _run_single(responses: Iterable[Any]) -> tuple[float, float, Any]:
@@ -231,6 +231,7 @@ class Bench:
         auto_depth: list[float] = []
         auto_share: list[float] = []
         fills: list[float] = []
+        prompt_ratios: list[float] = []
         depth_k = None
 
         def mtp(controller: Any = None, cycle_clock: CycleClock | None = None) -> tuple[float, float, Any]:
@@ -245,18 +246,18 @@ class Bench:
             )
             run_clock = CycleClock()
             gen.engine.clock = run_clock
-            tps, mem, tokens = _run_batch(gen, prompts, self.max_tokens)
+            tps, mem, prompt_tps = _run_batch(gen, prompts, self.max_tokens)
             if cycle_clock is not None:
                 cycle_clock.merge(run_clock)
-            return tps, mem, gen
+            return tps, mem, gen, prompt_tps
 
         def plain(seed: int) -> tuple[float, float]:
             mx.random.seed(seed)
             slots, sampler = self._slots(batch_size), _sampler(temp, False)
             base = BatchGenerator(self.model, max_tokens=self.max_tokens, sampler=sampler, **slots)
-            tps, mem, _ = _run_batch(base, prompts, self.max_tokens)
+            tps, mem, prompt_tps = _run_batch(base, prompts, self.max_tokens)
             base.close()
-            return tps, mem
+            return tps, mem, prompt_tps
 
         def seeded(seed: int, controller: Any = None, cycle_clock: CycleClock | None = None) -> Any:
             mx.random.seed(seed)
@@ -276,8 +277,10 @@ class Bench:
             if self.aa_control:
                 runs["plain_again"] = partial(plain, r)
             out = _interleaved(r, runs)
-            (b_tps, b_mem), (m_tps, m_mem, gen) = out["plain"], out["mtp"]
+            (b_tps, b_mem, b_prompt), (m_tps, m_mem, gen, m_prompt) = out["plain"], out["mtp"]
             self._aa(cell, out)
+            if b_prompt > 0:
+                prompt_ratios.append(m_prompt / b_prompt)
             stats = gen.speculative_stats()
             spec_stats.append(stats)
             cell.samples.append((b_tps, m_tps))
@@ -294,6 +297,7 @@ class Bench:
             cell.replay_forwards += stats["replay_forwards"]
             self.progress(1)
         cell.batch_fill = _median(fills)
+        cell.prompt_ratio = _median(prompt_ratios) if prompt_ratios else None
         self._finish(cell, spec_stats, clock)
         self._auto(cell, auto, auto_share, auto_depth, depth_k)
         return cell
@@ -320,14 +324,14 @@ class Bench:
             cell.auto_depth_over_plain = _median(d / b for (b, _), d in zip(cell.samples, depth) if b > 0)
             cell.auto_depth_k = depth_k
 
-    def _plain_single(self, prompt: list[int], temp: float, seed: int) -> tuple[float, float]:
-        """mlx-lm's plain `stream_generate`: (tokens/s, peak GB)."""
+    def _plain_single(self, prompt: list[int], temp: float, seed: int) -> tuple[float, float, float]:
+        """mlx-lm's plain `stream_generate`: (tokens/s, peak GB, prompt tokens/s)."""
         mx.random.seed(seed)
         responses = stream_generate(
             self.model, self.tokenizer, prompt, self.max_tokens, sampler=_sampler(temp, False)
         )
-        tps, mem, _ = _run_single(responses)
-        return tps, mem
+        tps, mem, last = _run_single(responses)
+        return tps, mem, last.prompt_tps
 
     def _mtp_single(
         self, prompt: list[int], k: int, temp: float, seed: int, controller: Any = None, clock: Any = None
@@ -359,6 +363,7 @@ class Bench:
         auto: list[float] = []
         auto_depth: list[float] = []
         auto_share: list[float] = []
+        prompt_ratios: list[float] = []
         depth_k = None
         for r in range(self.repeats):
             prompt = self.prompts[r % len(self.prompts)]
@@ -375,8 +380,10 @@ class Bench:
             if self.aa_control:
                 runs["plain_again"] = runs["plain"]
             out = _interleaved(r, runs)
-            (b_tps, b_mem), (m_tps, m_mem, last) = out["plain"], out["mtp"]
+            (b_tps, b_mem, b_prompt), (m_tps, m_mem, last) = out["plain"], out["mtp"]
             self._aa(cell, out)
+            if b_prompt > 0:
+                prompt_ratios.append(last.prompt_tps / b_prompt)
             cell.samples.append((b_tps, m_tps))
             if controller is not None:
                 auto.append(out["auto"][0])
@@ -392,6 +399,7 @@ class Bench:
             cell.target_forwards_per_token = forwards / max(last.generation_tokens, 1)
             cell.replay_forwards += stats["replay_forwards"]
             self.progress(1)
+        cell.prompt_ratio = _median(prompt_ratios) if prompt_ratios else None
         self._finish(cell, runs_stats, clock)
         self._auto(cell, auto, auto_share, auto_depth, depth_k)
         return cell
@@ -404,7 +412,7 @@ class Bench:
         accepted = total = 0
         for r in range(self.repeats):
             prompt = self.prompts[r % len(self.prompts)]
-            b_tps, _ = self._plain_single(prompt, temp, seed=r)
+            b_tps = self._plain_single(prompt, temp, seed=r)[0]
             mx.random.seed(r)
             try:
                 responses = list(

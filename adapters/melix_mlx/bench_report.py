@@ -64,7 +64,7 @@ def table(results: dict[str, Any]) -> str:
     lines.append(
         f"{'path':6} {'B':>2} {'k':>2} {'T':>4} {'tok/s':>7} {'base':>7} {'ratio':>6} {'spread':>9} "
         f"{'a/a':>9} {'ideal':>6} {'eff':>5} {'fill':>5} {'acc':>5} {'auto':>5} {'a/best':>6} "
-        f"{'adepth':>6}  cycle ms"
+        f"{'adepth':>6} {'prompt':>6}  cycle ms"
     )
     for c in results["cells"]:
         lines.append(
@@ -73,7 +73,7 @@ def table(results: dict[str, Any]) -> str:
             f"{_fmt(c['ideal_ratio']):>6} "
             f"{_fmt(c['efficiency']):>5} {_fmt(c.get('batch_fill')):>5} {_fmt(c['acceptance_rate']):>5} "
             f"{_fmt(c.get('auto_over_plain')):>5} {_fmt(c.get('auto_over_best')):>6} "
-            f"{_fmt(c.get('auto_depth_over_plain')):>6}  {_breakdown(c)}"
+            f"{_fmt(c.get('auto_depth_over_plain')):>6} {_fmt(c.get('prompt_ratio')):>6}  {_breakdown(c)}"
         )
     for d in results.get("draft_cells", []):
         if d.get("refused"):
@@ -129,8 +129,9 @@ def markdown(results: dict[str, Any]) -> str:
     out += [
         "",
         "| path | B | k | T | tok/s | baseline | ratio | spread | A/A | ideal | efficiency | fill | accept "
-        "| auto/plain | auto/best | auto depth/plain (k) | cycle ms: verify + head + not overlapped |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| auto/plain | auto/best | auto depth/plain (k) | prompt phase | "
+        "cycle ms: verify + head + not overlapped |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in results["cells"]:
         depth = _fmt(c.get("auto_depth_over_plain"))
@@ -142,7 +143,7 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {_fmt(c['ideal_ratio'])} "
             f"| {_fmt(c['efficiency'])} | {_fmt(c.get('batch_fill'))} | {_fmt(c['acceptance_rate'])} "
             f"| {_fmt(c.get('auto_over_plain'))} "
-            f"| {_fmt(c.get('auto_over_best'))} | {depth} | {_breakdown(c)} |"
+            f"| {_fmt(c.get('auto_over_best'))} | {depth} | {_fmt(c.get('prompt_ratio'))} | {_breakdown(c)} |"
         )
     for d in results.get("draft_cells", []):
         if d.get("refused"):
@@ -151,7 +152,7 @@ def markdown(results: dict[str, Any]) -> str:
             continue
         out.append(
             f"| draft model (mlx-lm) | 1 | {d['k']} | {d['temp']:.1f} | {d['tps']:.0f} "
-            f"| {d['baseline_tps']:.0f} | **{d['ratio']:.2f}** | - | - | - | - | - | - | - | - | - | - |"
+            f"| {d['baseline_tps']:.0f} | **{d['ratio']:.2f}** | - | - | - | - | - | - | - | - | - | - | - |"
         )
     return "\n".join(out)
 

@@ -44,6 +44,9 @@ class Cell:
     efficiency: float | None = None  # ratio / ideal_ratio
     batch_fill: float | None = None  # busy rows per verify forward / B (forced on; batch cells)
     breakdown_ms: dict[str, float] = field(default_factory=dict)  # per cycle
+    # prompt-phase tokens/s, MTP (forced on) over mlx-lm, median: what the head's pass over
+    # each prompt (its prime, prompt work like the prefill) costs before the first token
+    prompt_ratio: float | None = None
     auto_tps: float | None = None  # device policy auto (live controller), same cell
     auto_over_plain: float | None = None
     auto_over_force_on: float | None = None

@@ -54,6 +54,7 @@ def test_cells_record_every_side_once_per_repeat():
         assert cell.auto_depth_over_plain is not None and cell.auto_depth_k in (1, 2)
         assert cell.replay_forwards == 0 and cell.ratio_min <= cell.ratio <= cell.ratio_max
         assert len(cell.aa_ratios) == 2 and all(a > 0 for a in cell.aa_ratios)  # A/A: one per repeat
+        assert cell.prompt_ratio is not None and cell.prompt_ratio > 0  # the prompt phase, side by side
 
 
 def test_the_aa_control_runs_the_baseline_again_at_the_far_end_of_each_repeat():

@@ -26,6 +26,7 @@ def _results() -> dict:
     batch = Cell("batch", 4, 2, 0.0, tps=120.0, baseline_tps=100.0, ratio=1.2, ratio_min=1.1, ratio_max=1.3)
     batch.batch_fill, batch.ideal_ratio, batch.efficiency, batch.acceptance_rate = 0.84, 1.5, 0.8, 0.7
     batch.aa_ratios = [1.04, 0.91, 0.97]
+    batch.prompt_ratio = 0.93
     single = Cell("single", 1, 2, 0.0, tps=50.0, baseline_tps=40.0, ratio=1.25, ratio_min=1.2, ratio_max=1.3)
     return {
         "regime": REGIME,
@@ -80,3 +81,15 @@ def test_the_aa_range_is_reported_beside_the_spread():
     columns = next(line for line in text if line.startswith("path")).split()
     row = next(line for line in text if line.startswith("batch")).split()
     assert row[columns.index("a/a")] == "0.91-1.04"
+
+
+def test_the_prompt_phase_ratio_is_a_column_of_both_tables():
+    lines = [line for line in markdown(_results()).splitlines() if line.startswith("|")]
+    header, batch, single = lines[-5], lines[-3], lines[-2]
+    names = [c.strip() for c in header.strip("|").split("|")]
+    assert batch.strip("|").split("|")[names.index("prompt phase")].strip() == "0.93"
+    assert single.strip("|").split("|")[names.index("prompt phase")].strip() == "-"  # not measured
+    text = table(_results()).splitlines()
+    columns = next(line for line in text if line.startswith("path")).split()
+    row = next(line for line in text if line.startswith("batch")).split()
+    assert row[columns.index("prompt")] == "0.93"
