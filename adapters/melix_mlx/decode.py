@@ -309,9 +309,12 @@ class MTPDecoder:
         if self.head is not None and self.refusal is None and not disabled:
             pairs = [*prompt_tokens[1:], y]
             row = self.engine.prime(self.head_cache, hiddens, pairs, self.params, self.prefill_step_size)
-            # the head's pass over the prompt is prompt processing (the batch path's rows
-            # are primed the same way): done before the first token, not in the first cycle
-            mx.eval(row.draft, row.hidden, [c.state for c in self.head_cache])
+            if self.controller is None or self.controller.speculating:
+                # the head's pass over the prompt is prompt processing (the batch path's
+                # rows are primed the same way): before the first token, not in the first
+                # cycle. A start the controller suspends leaves it lazy: the first
+                # speculative probe, if one comes, evaluates it.
+                mx.eval(row.draft, row.hidden, [c.state for c in self.head_cache])
         self.engine.extend(mx.array([y]), [row])
         if self.processors:
             self._history = TokenHistory([*prompt_tokens, y])  # everything before y, then y

@@ -66,8 +66,8 @@ class MTPHeadBase(nn.Module):
         raise NotImplementedError
 
     def logits(self, head_hidden: mx.array) -> mx.array:
-        """Draft logits of `head_hidden` slots: callers pass only the slots they draw from,
-        so a prompt's prime or a cycle's K + 1 slots cost one output projection each."""
+        """Draft logits [B, L, V] of `head_hidden` slots. The engine passes only the slots it
+        draws from (one per row), not a prime's n or a cycle's K + 1."""
         raise NotImplementedError
 
     def embed(self, tokens: mx.array) -> mx.array:
