@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import queue
 import statistics
 import sys
@@ -42,18 +41,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from melix_mlx.commands.bench import OPENBLAS, regime_env
-
-
-def _reexec_in_regime(regime: str) -> None:
-    """Load the regime's BLAS before mlx, as `melix-fsm bench --regime` does for its children."""
-    if (OPENBLAS in os.environ.get("LD_PRELOAD", "")) == (regime == "openblas"):
-        return
-    try:
-        env = regime_env(regime)
-    except FileNotFoundError as exc:
-        sys.exit(f"--regime openblas: {exc} not found")
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+from melix_mlx.commands.bench import reexec_in_regime
 
 
 class _Dispatcher:
@@ -111,7 +99,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--dispatch-every", type=int, default=4, help="layers between dispatch points")
     args = parser.parse_args()
-    _reexec_in_regime(args.regime)
+    reexec_in_regime(args.regime)
 
     import mlx.core as mx
     from melix_mlx.checkpoints import resolve_model

@@ -82,6 +82,18 @@ def regime_env(regime: str) -> dict[str, str]:
     return env
 
 
+def reexec_in_regime(regime: str) -> None:
+    """Re-run this script in `regime` unless it already is (a benchmark script's first call:
+    the BLAS must be loaded before mlx, as for the bench command's children)."""
+    if (OPENBLAS in os.environ.get("LD_PRELOAD", "")) == (regime == "openblas"):
+        return
+    try:
+        env = regime_env(regime)
+    except FileNotFoundError as exc:
+        sys.exit(f"--regime openblas: {exc} not found")
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
 def _child(args: argparse.Namespace, regime: str) -> dict[str, Any]:
     env = regime_env(regime)
     argv = [sys.executable, "-m", "melix_fsm.cli", "bench", "--regime", "current", "--out", str(args.out)]
