@@ -234,7 +234,9 @@ class Bench:
         prompt_ratios: list[float] = []
         depth_k = None
 
-        def mtp(controller: Any = None, cycle_clock: CycleClock | None = None) -> tuple[float, float, Any]:
+        def mtp(
+            controller: Any = None, cycle_clock: CycleClock | None = None
+        ) -> tuple[float, float, Any, float]:
             gen = MTPBatchGenerator(
                 self.model,
                 self.head,
@@ -251,7 +253,7 @@ class Bench:
                 cycle_clock.merge(run_clock)
             return tps, mem, gen, prompt_tps
 
-        def plain(seed: int) -> tuple[float, float]:
+        def plain(seed: int) -> tuple[float, float, float]:
             mx.random.seed(seed)
             slots, sampler = self._slots(batch_size), _sampler(temp, False)
             base = BatchGenerator(self.model, max_tokens=self.max_tokens, sampler=sampler, **slots)
