@@ -39,26 +39,8 @@ from melix_fsm.policy.telemetry import detect
 from melix_fsm.receipt import Receipt, with_hardware
 
 from .calibrate import PROMPT_LEN, calibrate, device_kind, model_dtype
-from .engine import run_ahead_default
 
 MAX_CONTEXT = 2048  # the longest context calibration prefills (B rows of it, within the budget)
-
-
-def live_config() -> LiveConfig:
-    """The controller's constants for this device.
-
-    The first plain probe is put off where speculation measures clearly faster than the
-    calibrated plain step (one forward, synced). Where the host cannot overlap the device
-    (a CPU: `run_ahead_default()` is False, mlx's CPU evaluation keeps the building
-    serial), that calibrated step is the plain step decoding runs (measured at 0.99-1.05
-    of it: BENCHMARKS.md, "Tenth round"), so "clearly faster" means above `resume_above`,
-    the bar every other switch to speculation clears. On a GPU mlx-lm's pipelined plain
-    step hides the host work the calibrated one includes, so the wider default margin
-    stays until a device measures that share.
-    """
-    if run_ahead_default():
-        return LiveConfig()
-    return LiveConfig(defer_plain_above=LiveConfig().resume_above)
 
 
 @dataclass
@@ -126,7 +108,7 @@ def evaluate(
             batch_size=batch_size,
             active=active,
             replay_on_reject=replay_on_reject,
-            config=live or live_config(),
+            config=live,
             agree=rank0_decision(group),
         )
 

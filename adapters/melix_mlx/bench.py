@@ -72,7 +72,6 @@ from melix_fsm.policy.cost_model import TimingTable, acceptance_prior, expected_
 from melix_fsm.policy.decision import Policy, decide
 from melix_fsm.policy.errors import CalibrationError
 
-from .activation import live_config
 from .batch_generator import MTPBatchGenerator
 from .bench_results import Cell, DraftCell, msgspec_builtins, regime
 from .calibrate import calibrate, model_dtype
@@ -220,7 +219,6 @@ class Bench:
             max_depth=k,
             batch_size=batch_size,
             active=decision.speculate,
-            config=live_config(),  # the device's constants, as `evaluate` gives generate's controller
         )
 
     # -- cells ----------------------------------------------------------------------------

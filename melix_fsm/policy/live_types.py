@@ -62,10 +62,7 @@ class LiveConfig(msgspec.Struct, frozen=True, kw_only=True):
     resume_above: float = 1.03  # resume only above this
     min_dwell: int = 16  # steps after a policy switch before the next one
     first_probe_after: int = 16  # steps before the first plain probe of a start the prior admitted, except:
-    # speculation clearly beats the calibrated plain: the first plain probe later (the margin
-    # covers host work the calibrated step includes and a pipelined plain loop may hide;
-    # melix_mlx.activation.live_config lowers it to resume_above where nothing is hidden)
-    defer_plain_above: float = 1.25
+    defer_plain_above: float = 1.25  # speculation clearly beats the calibrated plain: first plain probe later
     # (and clearly below suspend_below against the calibrated plain: the first plain probe at once)
     # steps before the first speculative probe of a start the prior disabled: the prior is
     # evidence, and a probe that loses costs a visible share of a short run

@@ -124,25 +124,6 @@ def test_force_policies_build_forced_controllers(tiny, loaded):
     assert act.receipt.hardware.operator_override
 
 
-def test_the_controller_gets_the_devices_constants(tiny, loaded, monkeypatch):
-    """Where the host cannot overlap the device (no run-ahead: a CPU) the calibrated plain
-    step is the live one, so the first plain probe is put off at resume_above; elsewhere
-    the wider default margin; a caller's own constants win over both."""
-    from melix_mlx import activation
-
-    from melix_fsm.policy.live_types import LiveConfig
-
-    model, _, head, _ = loaded
-    config = speculative_config(device_policy="force_on")
-    receipt = resolve(tiny, config)
-    for overlaps, defer in ((False, LiveConfig().resume_above), (True, LiveConfig().defer_plain_above)):
-        monkeypatch.setattr(activation, "run_ahead_default", lambda overlaps=overlaps: overlaps)
-        act = activation.evaluate(model, head, receipt, config)
-        assert act.controller.config.defer_plain_above == defer
-    own = LiveConfig(defer_plain_above=1.5)
-    assert activation.evaluate(model, head, receipt, config, live=own).controller.config is own
-
-
 def test_real_calibration_keeps_receipt_and_controller_consistent(tiny, loaded):
     """Whatever this CPU measures (or fails to), the receipt and the controller agree."""
     from melix_mlx import activation

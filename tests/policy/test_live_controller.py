@@ -207,18 +207,6 @@ def test_probes_cost_little_where_the_prior_is_sure():
     assert spec_share(history) == 1.0 and ctrl.counters.plain_probes == 0
     run(FAST, ctrl, 100)
     assert ctrl.counters.plain_probes == 1
-    # ~1.5x against the calibrated plain: clearly above resume_above, not clearly above the
-    # default 1.25 margin (16 steps of noisy cycles): the first plain window comes at
-    # first_probe_after by default, and is put off where the margin is resume_above
-    # (melix_mlx.activation.live_config: a CPU)
-    modest = World(cycle_s=lambda k: 1.5)
-    ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2)
-    run(modest, ctrl, CFG.first_probe_after + 1)
-    assert ctrl.counters.plain_probes == 1
-    cpu = LiveConfig(defer_plain_above=CFG.resume_above)
-    ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2, config=cpu)
-    history = run(modest, ctrl, 100)
-    assert spec_share(history) == 1.0 and ctrl.counters.plain_probes == 0
     # calibrated: not even perfect acceptance would pay: the first probe waits longer
     hopeless = Timings(t_1=1.0, t_verify=2.0, t_head=0.2, k=1)
     ctrl = LiveController(hopeless, prior=PRIOR, depth=1)
