@@ -62,7 +62,11 @@ class LiveConfig(msgspec.Struct, frozen=True, kw_only=True):
     resume_above: float = 1.03  # resume only above this
     min_dwell: int = 16  # steps after a policy switch before the next one
     first_probe_after: int = 16  # steps before the first plain probe of a start the prior admitted, except:
-    defer_plain_above: float = 1.25  # speculation clearly beats the calibrated plain: first plain probe later
+    # speculation clearly beats the calibrated plain: the first plain probe later. The margin
+    # covers the calibrated step's own error (a calibration in a slow window: live plain
+    # 1.19x of it at B=1, benchmarks/bench_plain_calibration.py) and host work a pipelined
+    # plain loop hides on a GPU; a smaller one speculates unmeasured where it errs
+    defer_plain_above: float = 1.25
     # (and clearly below suspend_below against the calibrated plain: the first plain probe at once)
     # steps before the first speculative probe of a start the prior disabled: the prior is
     # evidence, and a probe that loses costs a visible share of a short run
