@@ -7,10 +7,9 @@ forward, synced: `melix_mlx.calibrate`) until a plain window is measured, and it
 for putting off the first plain probe (`LiveConfig.defer_plain_above`) must cover how far
 the live plain step runs from it (BENCHMARKS.md, "Tenth round"). This script measures
 that: forced-off decoding (the single-sequence decoder, and the batched generator at each
-`--batch-sizes`) with a
-`LiveController` fed every step, whose plain rate is the live plain tokens/s weighted so
-that the calibrated plain scores 1.0. Runs alternate between the paths; prints one JSON
-object with the median and min-max per path.
+`--batch-sizes`) with a `LiveController` fed every step, whose plain rate is the live
+plain tokens/s weighted so that the calibrated plain scores 1.0. Runs alternate between
+the paths; prints one JSON object with the median and min-max per path.
 """
 
 from __future__ import annotations
