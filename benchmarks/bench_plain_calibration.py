@@ -10,15 +10,6 @@ that: forced-off decoding (the single-sequence decoder, and the batched generato
 `--batch-sizes`) with a `LiveController` fed every step, whose plain rate is the live
 plain tokens/s weighted so that the calibrated plain scores 1.0. Runs alternate between
 the paths; prints one JSON object with the median and min-max per path.
-
-The decoders also time each prompt's last-token forward, graph building included, a
-plain [B, 1] step but for its sampling, and hand it to the controller
-(`LiveController.check_plain`), which takes the faster of it and the calibrated plain as
-a bound on the plain rate (`plain_bound`). `live_plain_over_bound` is the live plain rate
-over that bound (at most ~1 where it is one), and `checked` how many runs had a check at
-their batch size (a batch's prompts join in groups of similar length, so a group of B
-rows is not guaranteed): the margin `LiveConfig.defer_checked_above` covers what
-exceeds 1 here.
 """
 
 from __future__ import annotations
@@ -58,8 +49,7 @@ def main() -> None:
     if table is None:
         raise SystemExit(f"calibration failed: {bench.failures[1]}")
 
-    def plain_over_calibrated(path: str, batch_size: int, seed: int) -> tuple[float, float, bool]:
-        """(live plain over the calibrated plain, over the bound, whether a check made it)"""
+    def plain_over_calibrated(path: str, batch_size: int, seed: int) -> float:
         controller = LiveController(table, policy="force_off", depth=1, batch_size=batch_size)
         mx.random.seed(seed)
         batch = bench._prompts(batch_size)
@@ -68,23 +58,17 @@ def main() -> None:
         else:
             options = {"max_tokens": args.max_tokens, "controller": controller, **bench._slots(batch_size)}
             _run_batch(MTPBatchGenerator(model, head, num_draft_tokens=1, **options), batch, args.max_tokens)
-        bound = controller.plain_bound(batch_size)
-        assert bound is not None  # calibrated at every batch size it runs
-        return controller.plain.value, controller.plain.value / bound.rate, bound.checked
+        return controller.plain.value
 
     paths = [("single", 1)] + [("batch", b) for b in args.batch_sizes]
-    ratios: dict[str, list[tuple[float, float, bool]]] = {f"{p} {b}": [] for p, b in paths}
+    ratios: dict[str, list[float]] = {f"{p} {b}": [] for p, b in paths}
     for r in range(args.repeats):
         for path, b in paths if r % 2 == 0 else paths[::-1]:
             ratios[f"{path} {b}"].append(plain_over_calibrated(path, b, r))
-
-    def spread(values: list[float]) -> dict[str, float]:
-        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-    out: dict[str, object] = {"model": args.model, "regime": args.regime, "repeats": args.repeats}
-    out["live_plain_over_calibrated"] = {name: spread([c for c, _, _ in v]) for name, v in ratios.items()}
-    out["live_plain_over_bound"] = {name: spread([f for _, f, _ in v]) for name, v in ratios.items()}
-    out["checked"] = {name: sum(checked for _, _, checked in v) for name, v in ratios.items()}
+    out = {"model": args.model, "regime": args.regime, "repeats": args.repeats}
+    out["live_plain_over_calibrated"] = {
+        name: {"median": statistics.median(v), "min": min(v), "max": max(v)} for name, v in ratios.items()
+    }
     print(json.dumps(out))
 
 

@@ -539,7 +539,6 @@ class MTPBatchGenerator(BatchSurface):
             head_disabled=getattr(self.controller, "disabled", False),
             max_kv_size=self.max_kv_size,
             prefill_step_size=self.prefill_step_size,
-            on_last_step=self._check_plain,
         )
         done: dict[int, PreparedRow] = {}
         for group in join_groups([r for r in ready if joins_fresh(r)], self._max_padding):
@@ -557,13 +556,6 @@ class MTPBatchGenerator(BatchSurface):
                     continue
             out.append((request, done[request.uid]))
         return out
-
-    def _check_plain(self, rows: int, seconds: float) -> None:
-        """A joining group's last-token forward, a plain step of `rows` rows: the live
-        controller's check on its calibrated plain step (LiveController.check_plain)."""
-        check = getattr(self.controller, "check_plain", None)  # a caller's controller may have none
-        if check is not None:
-            check(rows, seconds, pipelined=self.run_ahead)
 
     # -- one decode step -------------------------------------------------------------
     def _plans(

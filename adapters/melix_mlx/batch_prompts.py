@@ -13,13 +13,10 @@ that half of `MTPBatchGenerator`. Rules of this module:
 - A row whose sampler's distribution is unknown is refused here with a typed reason
   (`unsupported_sampler`); the generator turns the row's refusal into its lifecycle event.
 - Everything is evaluated before the row joins: admission merges finished caches only.
-- The prompts' last-token forward is timed and handed to the caller (`on_last_step`): a
-  plain step the live controller uses to check its calibrated plain step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,10 +32,6 @@ from .engine import CycleEngine, RowHead
 from .prefill import prefill_together, prefill_with_hidden
 from .sampling import normalize_logits, params_of
 from .token_history import TokenHistory
-
-# receives (rows, seconds) of a prefill's last-token forward, a plain [B, 1] step
-# (LiveController.check_plain)
-LastStepHook = Callable[[int, float], None]
 
 
 @dataclass
@@ -69,15 +62,10 @@ def prepare_row(
     head_disabled: bool,
     max_kv_size: int | None,
     prefill_step_size: int,
-    on_last_step: LastStepHook | None = None,
 ) -> PreparedRow:
-    """Prefill one row alone; draw its first token; prime its head cache from the prompt.
-    on_last_step gets (rows, seconds) of the prompt's last-token forward: a plain step."""
+    """Prefill one row alone; draw its first token; prime its head cache from the prompt."""
     cache = request.cache or make_prompt_cache(model, max_kv_size)
-    prompt = mx.array(request.prompt)
-    logits, hiddens, last_step = prefill_with_hidden(model, prompt, cache, prefill_step_size)
-    if on_last_step is not None:
-        on_last_step(1, last_step)
+    logits, hiddens = prefill_with_hidden(model, mx.array(request.prompt), cache, prefill_step_size)
     return _ready(
         model, head, engine, request, cache, logits, hiddens, refusal, head_disabled, prefill_step_size
     )
@@ -123,16 +111,12 @@ def prepare_rows(
     head_disabled: bool,
     max_kv_size: int | None,
     prefill_step_size: int,
-    on_last_step: LastStepHook | None = None,
 ) -> list[PreparedRow]:
     """Prefill fresh requests (`joins_fresh`) together, one forward per chunk for all of
-    them as mlx-lm's BatchGenerator prefills its prompts; then each row as `prepare_row`
-    (on_last_step gets the group's [B, 1] last-token step)."""
+    them as mlx-lm's BatchGenerator prefills its prompts; then each row as `prepare_row`."""
     cache = _merge_caches([make_prompt_cache(model, max_kv_size) for _ in requests])
-    prompts = [r.prompt for r in requests]
-    logits, hiddens, last_step = prefill_together(model, prompts, cache, prefill_step_size)
-    if on_last_step is not None:
-        on_last_step(len(requests), last_step)
+    logits, hiddens = prefill_together(model, [r.prompt for r in requests], cache, prefill_step_size)
+    mx.eval(logits, [c.state for c in cache])
     rows = []
     for i, request in enumerate(requests):
         own = [c.extract(i) for c in cache]

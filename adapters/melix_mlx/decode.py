@@ -296,13 +296,9 @@ class MTPDecoder:
         check_prompt(self.model, prompt.tolist())
         self._resolve()
         self._reconcile()  # a start the gate disabled begins suspended
-        logits, hiddens, last_step = prefill_with_hidden(
+        logits, hiddens = prefill_with_hidden(
             self.model, prompt, self.cache, self.prefill_step_size, after_chunk=self._quantize
         )
-        check = getattr(self.controller, "check_plain", None)  # a caller's controller may have none
-        if check is not None and self.machine.state in lc.STEERABLE:
-            # the prompt's last token ran as a plain step would: a bound on the plain step
-            check(1, last_step, pipelined=self.run_ahead)
         window_kv.adopt(self.cache)  # sliding windows roll back exactly from here on
         prompt_tokens = prompt.tolist()
         logprobs = self._process(logits, prompt_tokens)

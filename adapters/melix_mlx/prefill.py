@@ -12,14 +12,10 @@ Rules of this module:
   padding masked (`prepare(lengths=, right_padding=)`) and moved to the left afterwards
   (`finalize`), then the last tokens as one [B, 1] step, the shape of the first decode
   step of mlx-lm's `BatchGenerator`. One forward per chunk instead of one per prompt.
-- Both evaluate as they go and time the last tokens' [B, 1] forward, graph building
-  included: a plain decode step but for its sampling, which the run pays for anyway. The
-  live controller takes it as a bound on the plain step (LiveController.check_plain).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -57,9 +53,8 @@ def prefill_with_hidden(
     cache: list[Any],
     step_size: int = 2048,
     after_chunk: Callable[[], None] | None = None,
-) -> tuple[mx.array, mx.array, float]:
-    """Feed `prompt` [n] into `cache`; return (last logits [1, V], hiddens [n, D], seconds
-    of the last token's forward).
+) -> tuple[mx.array, mx.array]:
+    """Feed `prompt` [n] into `cache`; return (last logits [1, V], hiddens [n, D]).
 
     `after_chunk` runs after each chunk but the last token's forward, where mlx-lm's
     `generate_step` converts its KV cache to quantized form.
@@ -76,20 +71,16 @@ def prefill_with_hidden(
         mx.eval(h, [c.state for c in cache])
         hiddens.append(h[0])
         rest = rest[n:]
-    tic = time.perf_counter()
     logits, h = forward_with_hidden(model, rest[None], cache)
-    mx.eval(logits, h, [c.state for c in cache])
-    seconds = time.perf_counter() - tic
     hiddens.append(h[0])
-    return logits[0, -1:], mx.concatenate(hiddens, axis=0), seconds
+    return logits[0, -1:], mx.concatenate(hiddens, axis=0)
 
 
 def prefill_together(
     model: nn.Module, prompts: list[list[int]], cache: list[Any], step_size: int = 2048
-) -> tuple[mx.array, list[mx.array], float]:
+) -> tuple[mx.array, list[mx.array]]:
     """Feed `prompts` into `cache`, a batch cache of B empty rows (mlx-lm's `_merge_caches`
-    of fresh caches); return (last logits [B, V], each prompt's hiddens [n_i, D], seconds
-    of the last tokens' [B, 1] forward)."""
+    of fresh caches); return (last logits [B, V], each prompt's hiddens [n_i, D])."""
     if not prompts or not all(prompts):
         raise ValueError("prefill_together needs at least one prompt, none empty")
     lengths = [len(p) - 1 for p in prompts]  # every token but the last
@@ -110,15 +101,10 @@ def prefill_together(
         if max(padding):
             for c in cache:
                 c.finalize()
-            mx.eval([c.state for c in cache])  # not part of the timed step below
-    tic = time.perf_counter()
     logits, last = forward_with_hidden(model, mx.array([p[-1:] for p in prompts]), cache)
-    mx.eval(logits, last, [c.state for c in cache])
-    seconds = time.perf_counter() - tic
     fed = mx.concatenate(chunks, axis=1) if chunks else None
     hiddens = [
         last[i] if fed is None else mx.concatenate([fed[i, :n], last[i]], axis=0)
         for i, n in enumerate(lengths)
     ]
-    return logits[:, -1], hiddens, seconds
-
+    return logits[:, -1], hiddens

@@ -15,9 +15,7 @@ Rules of this module:
   the plain side on the live workload; while suspended, a short SPECULATIVE probe
   measures the other side. Switches need both sides measured; the calibrated cost model
   (melix_fsm.policy.cost_model) is only the prior: it takes the first on/off decision and picks the
-  first depth, and it decides alone only for callers that pass no seconds. Until a plain
-  window is measured, speculation is judged against the calibrated plain step; the
-  prompts' last-token forward (`check_plain`) bounds the plain step from above.
+  first depth, and it decides alone only for callers that pass no seconds.
 - Samples are comparable across batch sizes: each step's tokens are weighted by
   t_1(B) / B from the calibration (1 / B without one), so a plain step that runs exactly
   as calibrated scores 1.0 and a speculative one scores its speedup.
@@ -38,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import msgspec
 
@@ -62,13 +60,6 @@ from .depth import (
 from .errors import CalibrationError, PolicyError
 from .live_types import Action, Decision, Estimate, LiveConfig, LiveCounters, LiveEvent, LiveReason
 from .throughput import PositionAcceptance, Rate
-
-
-class PlainBound(NamedTuple):
-    """The fastest plain rate in evidence before a plain window is measured."""
-
-    rate: float  # weighted tokens/s: the calibrated plain scores 1
-    checked: bool  # a forward timed in the live plain loop's form bounds it (check_plain)
 
 
 class LiveController:
@@ -163,9 +154,6 @@ class LiveController:
         self._spec_wait = cfg.probe_after
         self._next_plain_probe = cfg.first_probe_after
         self._deferred = False  # the first plain probe was put off once already
-        # B -> the latest plain forward timed outside the loop (`check_plain`): its weighted
-        # rate, and whether the live plain loop hides host time that forward included
-        self._plain_checks: dict[int, tuple[float, bool]] = {}
         # A probe costs what the losing side loses over its window; on a short run that
         # is a visible share. Probe early only where the prior is in doubt.
         hopeless = self.table is not None and self._perfect_speedup(batch_size) < cfg.resume_above
@@ -263,17 +251,6 @@ class LiveController:
             speedup=predicted, source=source, spec_rate=spec, plain_rate=plain, predicted=predicted
         )
 
-    def plain_bound(self, batch_size: int) -> PlainBound | None:
-        """The fastest plain rate in evidence at B before a plain window is measured: the
-        calibrated plain (at a calibrated B) or the latest `check_plain` there, whichever
-        ran faster. None: neither is a measurement at B."""
-        check = self._plain_checks.get(batch_size)
-        calibrated = self._calibrated_at(batch_size)
-        if check is None:
-            return PlainBound(1.0, checked=False) if calibrated else None
-        rate, pipelined = check
-        return PlainBound(max(rate, 1.0) if calibrated else rate, checked=not pipelined)
-
     def summary(self) -> dict[str, object]:
         """Plain data for the stats: counters, state, depth, the latest estimate."""
         out: dict[str, object] = msgspec.structs.asdict(self.counters)
@@ -286,7 +263,6 @@ class LiveController:
             ema_acceptance=self.ema,
             per_position_acceptance=self.acceptance.summary(),
             plain_rate=est.plain_rate,
-            plain_bound=bound.rate if (bound := self.plain_bound(self._batch_size)) else None,
             measured_speedup=est.speedup if est.source.startswith("measured") else None,
             predicted_speedup=est.predicted,
             source=est.source,
@@ -297,26 +273,6 @@ class LiveController:
         return out
 
     # -- writing -------------------------------------------------------------------
-    def check_plain(self, batch_size: int, seconds: float, *, pipelined: bool) -> None:
-        """A plain [B, 1] forward timed outside the decode loop, graph building included:
-        the prompts' last tokens, which every prefill feeds alone (mlx-lm's shape for the
-        first token), so the run pays for it anyway. A live plain step runs that forward
-        plus its sampling and bookkeeping, so the check bounds the plain rate from above,
-        where the calibrated plain step, taken once and perhaps in a slow window, may run
-        below the live one (by up to 1.77x at B = 4 on a noisy CPU,
-        benchmarks/bench_plain_calibration.py). Putting off the first plain probe then
-        needs speculation clearly ahead of the faster of the two by `defer_checked_above`
-        instead of the calibrated plain by `defer_plain_above` (`plain_bound`). The latest
-        check per B is kept. pipelined: the decoder's plain loop builds step n + 1 while
-        step n runs, hiding host time this synced forward included: no bound then, and
-        the check leaves the margin as it was.
-        """
-        self._check(batch_size, 0, 0, seconds, batch_size, None)
-        if seconds <= 0.0:
-            return
-        self.counters.plain_checks += 1
-        self._plain_checks[batch_size] = (batch_size * self._weight(batch_size) / seconds, pipelined)
-
     def set_timings(self, timings: TimingTable | Timings) -> None:
         """Replace the prior (a recalibration, broadcast from rank 0)."""
         self.table = TimingTable.of(timings) if isinstance(timings, Timings) else timings
@@ -472,11 +428,10 @@ class LiveController:
         cfg = self.config
         if self._timed and self.depth.exploring is None and self.step >= self._next_plain_probe:
             est = self.estimate(batch_size)
-            bound = self.plain_bound(batch_size)
-            if not self._deferred and bound is not None and self._ahead_of(est, bound):
-                # clearly ahead of any plain step in evidence: the first plain window can wait (once)
+            ahead = est.source == "measured_spec" and self._above(est, cfg.defer_plain_above)
+            if not self._deferred and self._calibrated_at(batch_size) and ahead:
+                # clearly ahead of the calibrated plain: the first plain window can wait (once)
                 self._deferred = True
-                self.counters.plain_probes_deferred += 1
                 self._next_plain_probe = self.step + self._plain_wait
                 return
             self._start_probe("plain", batch_size)
@@ -508,14 +463,6 @@ class LiveController:
     def _calibrated_at(self, batch_size: int) -> bool:
         """The calibrated plain is a measurement only at a calibrated batch size."""
         return any(t.batch_size == batch_size for t in self.table.entries) if self.table else False
-
-    def _ahead_of(self, est: Estimate, bound: PlainBound) -> bool:
-        """Speculation, measured against the calibrated plain, clearly beats the bound by
-        its margin: `defer_checked_above` where a forward in the live loop's form bounds
-        the plain step, `defer_plain_above` where only the calibration does."""
-        cfg = self.config
-        margin = cfg.defer_checked_above if bound.checked else cfg.defer_plain_above
-        return est.source == "measured_spec" and self._above(est, margin * bound.rate)
 
     def _behind_calibrated_plain(self, batch_size: int) -> bool:
         """Before the first plain probe: speculation, measured, is clearly below the

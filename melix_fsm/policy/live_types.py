@@ -65,13 +65,8 @@ class LiveConfig(msgspec.Struct, frozen=True, kw_only=True):
     # speculation clearly beats the calibrated plain: the first plain probe later. The margin
     # covers the calibrated step's own error (a calibration in a slow window: live plain
     # 1.19x of it at B=1, benchmarks/bench_plain_calibration.py) and host work a pipelined
-    # plain loop hides on a GPU; a smaller one speculates unmeasured where it errs ...
+    # plain loop hides on a GPU; a smaller one speculates unmeasured where it errs
     defer_plain_above: float = 1.25
-    # ... or clearly beats, by this margin, the faster of the calibrated plain and the
-    # prompts' last-token forward timed in the live loop's form, which bounds the plain
-    # step from above (LiveController.check_plain). One forward has no noise estimate of
-    # its own: the margin is wider than resume_above
-    defer_checked_above: float = 1.10
     # (and clearly below suspend_below against the calibrated plain: the first plain probe at once)
     # steps before the first speculative probe of a start the prior disabled: the prior is
     # evidence, and a probe that loses costs a visible share of a short run
@@ -96,10 +91,8 @@ class LiveConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise PolicyError("live controller: step counts must be >= 1 (min_dwell >= 0)")
         if self.probe_max_steps < self.probe_steps or self.min_samples > self.probe_steps:
             raise PolicyError("live controller: probe_max_steps >= probe_steps >= min_samples")
-        if self.doubtful_probe_after < 1:
-            raise PolicyError("live controller: doubtful_probe_after must be >= 1")
-        if not self.resume_above <= self.defer_checked_above <= self.defer_plain_above:
-            raise PolicyError("live controller: resume_above <= defer_checked_above <= defer_plain_above")
+        if self.doubtful_probe_after < 1 or self.defer_plain_above < self.resume_above:
+            raise PolicyError("live controller: doubtful_probe_after >= 1, defer_plain_above >= resume_above")
         if self.probe_backoff < 1.0 or self.probe_max_after < max(self.probe_after, self.plain_probe_every):
             raise PolicyError("live controller: probe_backoff >= 1, probe_max_after >= the probe waits")
 
@@ -148,8 +141,6 @@ class LiveCounters(msgspec.Struct, kw_only=True):
     suspend_decisions: int = 0
     resume_decisions: int = 0  # passed probes included
     plain_probes: int = 0
-    plain_probes_deferred: int = 0  # first plain probes put off: speculation clearly ahead of plain
-    plain_checks: int = 0  # plain forwards timed outside the loop (prompts' last tokens)
     probes: int = 0  # speculative probes while suspended
     probes_passed: int = 0
     probes_failed: int = 0

@@ -58,11 +58,11 @@ def _worst(a: list[mx.array], b: list[mx.array]) -> float:
 def test_prompts_prefilled_together_equal_each_prefilled_alone(loaded_heads, family: str) -> None:
     model = loaded_heads[family][0]
     cache = _merge_caches([make_prompt_cache(model) for _ in PROMPTS])
-    logits, hiddens, _ = prefill_together(model, PROMPTS, cache, step_size=4)  # chunked, padded
+    logits, hiddens = prefill_together(model, PROMPTS, cache, step_size=4)  # chunked, padded
     assert logits.shape[0] == len(PROMPTS)
     for i, prompt in enumerate(PROMPTS):
         alone = make_prompt_cache(model)
-        last, h, _ = prefill_with_hidden(model, mx.array(prompt), alone, step_size=4)
+        last, h = prefill_with_hidden(model, mx.array(prompt), alone, step_size=4)
         assert hiddens[i].shape == h.shape
         assert mx.abs(hiddens[i] - h).max().item() < TOLERANCE, (family, i)
         assert mx.abs(logits[i] - last[0]).max().item() < TOLERANCE, (family, i)
