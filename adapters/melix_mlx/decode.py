@@ -213,6 +213,8 @@ class MTPDecoder:
         """
         if self.processors or self.kv_bits is not None:
             return None  # processors read the host's history; quantization, host offsets
+        if getattr(self.controller, "switch_due", False):
+            return None  # `step`'s update may switch on schedule and undo what is built now
         # after a plain step nothing waits for the host: mlx-lm's own pipelining, always
         if isinstance(step, Flight) and not (self.run_ahead and self.engine.may_run_ahead()):
             return None
@@ -418,6 +420,7 @@ class MTPDecoder:
             target_forwards=self.engine.target_forwards,
             replay_forwards=self.engine.replay_forwards,
             head_forwards=self.engine.head_forwards,
+            abandoned_steps=self.engine.abandoned_steps,
             refusal=self.refusal,
             refusal_reason=reason_of(self.refusal),
             fault=self.fault_message,

@@ -282,6 +282,7 @@ class CycleEngine:
         self.target_forwards = 0
         self.replay_forwards = 0  # stays 0: rollback selects captured states, it never replays
         self.head_forwards = 0
+        self.abandoned_steps = 0  # launched ahead, then undone: device work thrown away
         self._drafted = False
         self._in_flight: list[Flight | PlainStep] = []  # launched, not yet settled, in launch order
         self.clock: CycleClock | None = None  # set to a CycleClock to break cycles down (bench)
@@ -655,6 +656,7 @@ class CycleEngine:
         rollback.restore(self.cache, step.mark, voided)
         rollback.restore(self.head_cache, step.head_mark, voided)
         step.before.put_back(self)
+        self.abandoned_steps += len(self._in_flight) - at
         del self._in_flight[at:]
 
     # -- plain steps -----------------------------------------------------------------------

@@ -183,6 +183,28 @@ class LiveController:
         return self._on
 
     @property
+    def switch_due(self) -> bool:
+        """The next update may change the verdict on schedule: it starts the plain probe
+        due while speculating (or the speculative one due while suspended), or it may
+        end a probe window. A decoder that builds step n + 1 before step n syncs builds
+        none while this holds: a switch at step n's update would undo that step, wasting
+        a whole step of device work (a plain probe that resumes speculation otherwise
+        throws its last launched plain step away). A hint, never a verdict: a verdict
+        off schedule still undoes the step built ahead."""
+        if self.policy is not Policy.auto or self.disabled_reason is not None or self._shared is not None:
+            return False
+        cfg = self.config
+        if self._probe is not None:
+            at_max = self._probe_total + 1 >= cfg.probe_max_steps
+            window = self._probe_timed + 1 >= cfg.probe_steps
+            if self._probe == "spec":  # a speculative probe's verdict comes at every `every`-th step
+                window = window and (self._probe_total + 1) % cfg.every == 0
+            return at_max or window
+        if self._on:
+            return self._timed and self.depth.exploring is None and self.step + 1 >= self._next_plain_probe
+        return self.step + 1 >= self._next_spec_probe
+
+    @property
     def k(self) -> int:
         """The depth the next speculative cycle drafts (>= 1)."""
         return self._shared.k if self._shared is not None else self.depth.k

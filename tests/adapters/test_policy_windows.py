@@ -60,6 +60,15 @@ class ScheduledController:
         return {"steps": self.step}
 
 
+class AnnouncingController(ScheduledController):
+    """Also says, a step ahead, when its next update switches (LiveController.switch_due)."""
+
+    @property
+    def switch_due(self) -> bool:
+        n = len(self.schedule)
+        return self.schedule[self.step % n] != self.schedule[(self.step + 1) % n]
+
+
 def _reference(model, prompt: list[int]) -> list[int]:
     return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=N)]
 
@@ -95,6 +104,34 @@ def test_batch_drafts_only_when_told(loaded_heads, schedule, run_ahead) -> None:
     assert controller.violations == []
     for uid, prompt in zip(uids, PROMPTS):
         assert got[uid] == _reference(model, prompt)
+
+
+# speculating two steps, plain three: every switch undoes a step launched ahead unless
+# the controller announced it (plain steps always run ahead, as mlx-lm's do)
+SWITCHING = [(True, 2), (True, 2), (False, 2), (False, 2), (False, 2)]
+
+
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_an_announced_switch_undoes_no_step_launched_ahead(loaded_heads, run_ahead: bool) -> None:
+    model, _, head, _ = loaded_heads["qwen3_5"]
+    for announcing in (False, True):
+        controller = (AnnouncingController if announcing else ScheduledController)(SWITCHING)
+        decoder = MTPDecoder(model, head, num_draft_tokens=2, controller=controller, run_ahead=run_ahead)
+        tokens = [t for t, _, _ in decoder.generate(mx.array(PROMPTS[0]), N)]
+        assert tokens == _reference(model, PROMPTS[0]) and controller.violations == []
+        assert (decoder.stats["abandoned_steps"] == 0) == announcing
+        controller = (AnnouncingController if announcing else ScheduledController)(SWITCHING)
+        gen = MTPBatchGenerator(
+            model, head, num_draft_tokens=2, max_tokens=N, controller=controller, run_ahead=run_ahead
+        )
+        uids = gen.insert(PROMPTS)
+        got: dict[int, list[int]] = {u: [] for u in uids}
+        while responses := gen.next_generated():
+            for r in responses:
+                got[r.uid].append(r.token)
+        assert [got[u] for u in uids] == [_reference(model, p) for p in PROMPTS]
+        assert controller.violations == []
+        assert (gen.speculative_stats()["abandoned_steps"] == 0) == announcing
 
 
 def test_scheduled_controller_catches_a_decoder_that_ignores_it(loaded_heads) -> None:

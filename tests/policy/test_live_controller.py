@@ -496,3 +496,45 @@ def test_calibration_k_mismatch_is_priced_off_the_curve():
     # a prior calibrated at k=1 still prices other depths (auto depth reads its curve)
     ctrl = LiveController(Timings(t_1=1.0, t_verify=1.0, t_head=0.05, k=1), prior=PRIOR, depth="auto")
     assert ctrl.cycle_cost(1, 3) >= ctrl.cycle_cost(1, 1)
+
+
+def _announced(world: World, ctrl: LiveController, steps: int) -> tuple[int, int, int]:
+    """(verdict switches, those `switch_due` announced before their update, steps announced)"""
+    switches = announced = due_steps = 0
+    for _ in range(steps):
+        due, before = ctrl.switch_due, ctrl.speculating
+        world.step(ctrl)
+        due_steps += due
+        if ctrl.speculating != before:
+            switches += 1
+            announced += due
+    return switches, announced, due_steps
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_scheduled_switches_are_announced_a_step_ahead(seed):
+    """Probes start and end on schedule, and `switch_due` says so before the update that
+    switches: a decoder builds no step ahead that the switch would undo. It holds on few
+    steps, so pipelining is kept everywhere else."""
+    fast = World(cycle_s=FAST.cycle_s, noise=0.05, seed=seed)
+    ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2)
+    switches, announced, due = _announced(fast, ctrl, 3000)
+    probes = ctrl.counters.plain_probes  # each starts and ends with a switch (the last may run on)
+    assert probes >= 3 and switches in (2 * probes - 1, 2 * probes)
+    assert announced == switches and due < 0.03 * 3000
+    # suspended (the prior disabled it, speculation loses): the speculative probes
+    slow = World(cycle_s=SLOW.cycle_s, noise=0.05, seed=seed)
+    ctrl = LiveController(DISABLING, prior=PRIOR, depth=2)
+    switches, announced, due = _announced(slow, ctrl, 3000)
+    probes = ctrl.counters.probes
+    assert probes >= 3 and switches in (2 * probes - 1, 2 * probes)
+    assert announced == switches and due < 0.05 * 3000
+
+
+def test_no_switch_is_announced_where_none_can_come():
+    for ctrl in (
+        LiveController(ADMITTING, prior=PRIOR, policy="force_on"),
+        LiveController(ADMITTING, prior=PRIOR, policy="force_off"),
+        LiveController(CalibrationError("measurement_failed", "x"), prior=PRIOR),
+    ):
+        assert not any(ctrl.switch_due for _ in run(FAST, ctrl, 300))
