@@ -452,10 +452,13 @@ class LiveController:
             est = self.estimate(batch_size)
             ahead = est.source == "measured_spec" and self._above(est, cfg.defer_plain_above)
             if not self._deferred and self._calibrated_at(batch_size) and ahead:
-                # clearly ahead of the calibrated plain: the first plain window can wait (once)
-                self._deferred = True
-                self._next_plain_probe = self.step + self._plain_wait
-                return
+                if self._priced_right(est):
+                    # clearly ahead of the calibrated plain: the first plain window can wait (once)
+                    self._deferred = True
+                    self.counters.plain_probes_deferred += 1
+                    self._next_plain_probe = self.step + self._plain_wait
+                    return
+                self.counters.calibration_doubted += 1
             self._start_probe("plain", batch_size)
             return
         if self._behind_calibrated_plain(batch_size):
@@ -481,6 +484,16 @@ class LiveController:
         self.counters.suspend_decisions += 1
         self._next_spec_probe = self.step + self._spec_wait
         self._record(Action.suspend, reason, batch_size, est)
+
+    def _priced_right(self, est: Estimate) -> bool:
+        """The calibration prices the live cycles: they run at most `defer_priced_within`
+        faster than it says (measured over predicted speedup, both against the calibrated
+        plain, is the calibrated cycle's time over the live one's). A calibration taken in
+        a slow window prices the cycle and the plain step alike too slow, so speculation
+        then measures ahead of a calibrated plain step the live one outruns."""
+        if est.speedup is None or est.predicted is None:
+            return False
+        return est.speedup <= est.predicted * self.config.defer_priced_within
 
     def _calibrated_at(self, batch_size: int) -> bool:
         """The calibrated plain is a measurement only at a calibrated batch size."""

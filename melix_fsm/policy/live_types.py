@@ -67,6 +67,12 @@ class LiveConfig(msgspec.Struct, frozen=True, kw_only=True):
     # 1.19x of it at B=1, benchmarks/bench_plain_calibration.py) and host work a pipelined
     # plain loop hides on a GPU; a smaller one speculates unmeasured where it errs
     defer_plain_above: float = 1.25
+    # ... and only while the live cycles run at most this much faster than the calibration
+    # priced them: beyond it the calibration itself is in doubt (taken in a slow window,
+    # which prices the plain step too slow as well). Measured over ideal speedup ran
+    # 0.64-1.19 in this project's benchmark cells; a calibration 1.7x slow was seen
+    # (benchmarks/results/plain-check-round11.jsonl)
+    defer_priced_within: float = 1.3
     # (and clearly below suspend_below against the calibrated plain: the first plain probe at once)
     # steps before the first speculative probe of a start the prior disabled: the prior is
     # evidence, and a probe that loses costs a visible share of a short run
@@ -93,6 +99,8 @@ class LiveConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise PolicyError("live controller: probe_max_steps >= probe_steps >= min_samples")
         if self.doubtful_probe_after < 1 or self.defer_plain_above < self.resume_above:
             raise PolicyError("live controller: doubtful_probe_after >= 1, defer_plain_above >= resume_above")
+        if self.defer_priced_within < 1.0:
+            raise PolicyError("live controller: defer_priced_within must be >= 1")
         if self.probe_backoff < 1.0 or self.probe_max_after < max(self.probe_after, self.plain_probe_every):
             raise PolicyError("live controller: probe_backoff >= 1, probe_max_after >= the probe waits")
 
@@ -141,6 +149,8 @@ class LiveCounters(msgspec.Struct, kw_only=True):
     suspend_decisions: int = 0
     resume_decisions: int = 0  # passed probes included
     plain_probes: int = 0
+    plain_probes_deferred: int = 0  # first plain probes put off: speculation clearly ahead
+    calibration_doubted: int = 0  # ... not put off: live cycles ran well faster than calibrated
     probes: int = 0  # speculative probes while suspended
     probes_passed: int = 0
     probes_failed: int = 0

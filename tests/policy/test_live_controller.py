@@ -205,6 +205,7 @@ def test_probes_cost_little_where_the_prior_is_sure():
     ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2)
     history = run(FAST, ctrl, 100)
     assert spec_share(history) == 1.0 and ctrl.counters.plain_probes == 0
+    assert ctrl.counters.plain_probes_deferred == 1 and ctrl.counters.calibration_doubted == 0
     run(FAST, ctrl, 100)
     assert ctrl.counters.plain_probes == 1
     # calibrated: not even perfect acceptance would pay: the first probe waits longer
@@ -214,6 +215,27 @@ def test_probes_cost_little_where_the_prior_is_sure():
     assert spec_share(history) == 0.0
     run(FAST, ctrl, FIRST_VERDICT)
     assert ctrl.speculating  # ... but measurement still wins over the calibration
+
+
+def test_a_calibration_that_prices_the_live_cycles_wrong_defers_no_probe():
+    """A calibration in a slow window: everything runs 1.7x faster than calibrated, and
+    the drafts are rarely kept, so speculation loses to plain (0.94x) while it measures
+    1.6x the calibrated plain step. The live cycles run 1.7x faster than the calibration
+    priced them, so the first plain probe is not put off, and it finds the loss."""
+    fast_machine = 1.7
+    cost = (ADMITTING.t_verify + 2 * ADMITTING.t_head) / fast_machine  # k = 2, priced right
+    world = World(plain_s=1.0 / fast_machine, cycle_s=lambda k: cost, keep=0.1, seed=3)
+    assert world.true_speedup(2) < 0.97
+    ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2)
+    run(world, ctrl, FIRST_VERDICT)
+    assert ctrl.counters.calibration_doubted == 1 and ctrl.counters.plain_probes_deferred == 0
+    assert ctrl.counters.plain_probes == 1 and not ctrl.speculating
+    # without the check the probe is put off, and speculation runs on where it loses
+    trusting = LiveConfig(defer_priced_within=100.0)
+    ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2, config=trusting)
+    run(world, ctrl, FIRST_VERDICT)
+    assert ctrl.counters.plain_probes_deferred == 1 and ctrl.counters.plain_probes == 0
+    assert ctrl.speculating
 
 
 def test_a_phase_change_is_followed_both_ways():
@@ -472,6 +494,8 @@ def test_bad_inputs_are_typed():
         LiveController(ADMITTING, depth=0)
     with pytest.raises(PolicyError):
         LiveConfig(suspend_below=1.1, resume_above=1.0)
+    with pytest.raises(PolicyError):
+        LiveConfig(defer_priced_within=0.9)
 
 
 def test_summary_and_events_are_plain_data():
