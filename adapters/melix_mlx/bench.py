@@ -73,7 +73,7 @@ from melix_fsm.policy.decision import Policy, decide
 from melix_fsm.policy.errors import CalibrationError
 
 from .batch_generator import MTPBatchGenerator
-from .bench_results import Cell, DraftCell, msgspec_builtins, regime
+from .bench_results import AUTO_COUNTERS, Cell, DraftCell, msgspec_builtins, regime
 from .calibrate import calibrate, model_dtype
 from .cycle_clock import CycleClock
 from .decode import MTPDecoder
@@ -230,6 +230,7 @@ class Bench:
         auto: list[float] = []
         auto_depth: list[float] = []
         auto_share: list[float] = []
+        auto_controllers: list[LiveController] = []
         fills: list[float] = []
         prompt_ratios: list[float] = []
         depth_k = None
@@ -289,6 +290,7 @@ class Bench:
             if controller is not None:
                 auto.append(out["auto"][0])
                 auto_share.append(1.0 - controller.counters.steps_suspended / max(controller.step, 1))
+                auto_controllers.append(controller)
             if chooser is not None:
                 auto_depth.append(out["auto_depth"][0])
                 depth_k = chooser.k
@@ -301,7 +303,7 @@ class Bench:
         cell.batch_fill = _median(fills)
         cell.prompt_ratio = _median(prompt_ratios) if prompt_ratios else None
         self._finish(cell, spec_stats, clock)
-        self._auto(cell, auto, auto_share, auto_depth, depth_k)
+        self._auto(cell, auto, auto_share, auto_depth, depth_k, auto_controllers)
         return cell
 
     @staticmethod
@@ -311,10 +313,19 @@ class Bench:
             cell.aa_ratios.append(out["plain_again"][0] / out["plain"][0])
 
     def _auto(
-        self, cell: Cell, auto: list[float], share: list[float], depth: list[float], depth_k: Any
+        self,
+        cell: Cell,
+        auto: list[float],
+        share: list[float],
+        depth: list[float],
+        depth_k: Any,
+        controllers: list[LiveController],
     ) -> None:
         if not auto:
             return
+        cell.auto_counters = {
+            name: sum(getattr(c.counters, name) for c in controllers) for name in AUTO_COUNTERS
+        }
         pairs = list(zip(cell.samples, auto))
         cell.auto_tps = _median(auto)
         cell.auto_over_plain = _median(a / b for (b, _), a in pairs if b > 0)
@@ -365,6 +376,7 @@ class Bench:
         auto: list[float] = []
         auto_depth: list[float] = []
         auto_share: list[float] = []
+        auto_controllers: list[LiveController] = []
         prompt_ratios: list[float] = []
         depth_k = None
         for r in range(self.repeats):
@@ -390,6 +402,7 @@ class Bench:
             if controller is not None:
                 auto.append(out["auto"][0])
                 auto_share.append(1.0 - controller.counters.steps_suspended / max(controller.step, 1))
+                auto_controllers.append(controller)
             if chooser is not None:
                 auto_depth.append(out["auto_depth"][0])
                 depth_k = chooser.k
@@ -403,7 +416,7 @@ class Bench:
             self.progress(1)
         cell.prompt_ratio = _median(prompt_ratios) if prompt_ratios else None
         self._finish(cell, runs_stats, clock)
-        self._auto(cell, auto, auto_share, auto_depth, depth_k)
+        self._auto(cell, auto, auto_share, auto_depth, depth_k, auto_controllers)
         return cell
 
     def draft_cell(self, k: int, temp: float) -> DraftCell | None:

@@ -53,12 +53,25 @@ class Cell:
     auto_over_best: float | None = None  # auto / max(plain, force_on), per repeat
     auto_gate: str | None = None
     auto_speculating_share: float | None = None  # steps the auto run speculated
+    # the auto runs' policy counters, summed over the repeats (AUTO_COUNTERS): how many
+    # first plain probes ran, were put off, or were not because the calibration was doubted
+    auto_counters: dict[str, int] = field(default_factory=dict)
     auto_depth_over_plain: float | None = None  # depth "auto" (deepest k cell only)
     auto_depth_k: int | None = None  # the depth it settled on
     samples: list[tuple[float, float]] = field(default_factory=list)
     # A/A: the baseline run again at the end of each repeat, over its first run (the noise
     # of this run at the widest spacing of the interleave; empty when not asked for)
     aa_ratios: list[float] = field(default_factory=list)
+
+
+AUTO_COUNTERS = (
+    "plain_probes",
+    "plain_probes_deferred",
+    "calibration_doubted",
+    "suspend_decisions",
+    "resume_decisions",
+    "probes",
+)
 
 
 @dataclass

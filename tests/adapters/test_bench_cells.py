@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from melix_mlx.bench import Bench, _interleaved
-from melix_mlx.bench_results import Cell
+from melix_mlx.bench_results import AUTO_COUNTERS, Cell
 from melix_mlx.checkpoints import resolve_model
 from melix_mlx.cycle_clock import CycleClock
 from melix_mlx.loading import load_with_heads
@@ -55,6 +55,9 @@ def test_cells_record_every_side_once_per_repeat():
         assert cell.replay_forwards == 0 and cell.ratio_min <= cell.ratio <= cell.ratio_max
         assert len(cell.aa_ratios) == 2 and all(a > 0 for a in cell.aa_ratios)  # A/A: one per repeat
         assert cell.prompt_ratio is not None and cell.prompt_ratio > 0  # the prompt phase, side by side
+        # the auto runs' policy counters, summed over both repeats' controllers
+        assert set(cell.auto_counters) == set(AUTO_COUNTERS)
+        assert all(type(n) is int and n >= 0 for n in cell.auto_counters.values())
 
 
 def test_the_aa_control_runs_the_baseline_again_at_the_far_end_of_each_repeat():
