@@ -625,22 +625,21 @@ class MTPBatchGenerator(BatchSurface):
 
         Not while a queued request has a free row (admission reshapes the batch), not when a
         row may reach its length limit in step n (it leaves), not with logits processors
-        (they read the host's history), not while the controller's verdict may switch on
-        schedule at step n's update (`switch_due`). A row that leaves on a stop token in step n frees
+        (they read the host's history). A row that leaves on a stop token in step n frees
         its row for the queue one call later (`_admit`). Without `run_ahead` only a plain
         step after a plain step (mlx-lm's own pipelining); with it, anything after a plain
-        step, and after a cycle where rollback runs in the graph."""
+        step, and after a cycle where rollback runs in the graph, but no cycle while step
+        n's update may turn speculation off on schedule (`LiveController.plain_due`)."""
         if self._admission_due() or any(p.processors for p in plans):
             return None
-        if getattr(self.controller, "switch_due", False):
-            return None  # step n's update may switch on schedule and undo step n + 1
         if any(s.max_tokens - s.num_generated <= p.k + 1 for s, p in zip(states, plans)):
             return None
         cycle = any(p.k for p in plans)
         if cycle and not (self.run_ahead and self.engine.may_run_ahead()):
             return None  # checked before the plans are built: every CPU cycle passes here
         following = self._plans(self.batch.rows, states, before=plans)
-        if not self.run_ahead and any(p.k for p in following):
+        plain_due = getattr(self.controller, "plain_due", False)  # a cycle would be undone
+        if any(p.k for p in following) and (not self.run_ahead or plain_due):
             return None
         return following
 

@@ -213,8 +213,6 @@ class MTPDecoder:
         """
         if self.processors or self.kv_bits is not None:
             return None  # processors read the host's history; quantization, host offsets
-        if getattr(self.controller, "switch_due", False):
-            return None  # `step`'s update may switch on schedule and undo what is built now
         # after a plain step nothing waits for the host: mlx-lm's own pipelining, always
         if isinstance(step, Flight) and not (self.run_ahead and self.engine.may_run_ahead()):
             return None
@@ -224,6 +222,8 @@ class MTPDecoder:
         k = self._depth(left)
         if k == 0:
             return self._plain()
+        if getattr(self.controller, "plain_due", False):
+            return None  # `step`'s update may turn speculation off on schedule: undone then
         try:
             return self.engine.launch([self._plan(k, left)])
         except SpeculativeFault as fault:

@@ -183,26 +183,24 @@ class LiveController:
         return self._on
 
     @property
-    def switch_due(self) -> bool:
-        """The next update may change the verdict on schedule: it starts the plain probe
-        due while speculating (or the speculative one due while suspended), or it may
-        end a probe window. A decoder that builds step n + 1 before step n syncs builds
-        none while this holds: a switch at step n's update would undo that step, wasting
-        a whole step of device work (a plain probe that resumes speculation otherwise
-        throws its last launched plain step away). A hint, never a verdict: a verdict
-        off schedule still undoes the step built ahead."""
+    def plain_due(self) -> bool:
+        """The next update may turn speculation off on schedule: the plain probe due while
+        speculating starts, or a speculative probe's window may end. A decoder that builds
+        step n + 1 before step n syncs builds no cycle ahead while this holds: a verdict
+        for plain at step n's update would undo it, a whole cycle of device work lost. (A
+        plain step launched ahead is undone only by a switch to speculation, which keeps
+        the pipeline's timing balanced across a plain window.) A hint, never a verdict: a
+        verdict off schedule (the periodic comparison) still undoes a cycle built ahead."""
         if self.policy is not Policy.auto or self.disabled_reason is not None or self._shared is not None:
             return False
         cfg = self.config
-        if self._probe is not None:
+        if self._probe == "spec":  # its verdict may come at every `every`-th step of the window
             at_max = self._probe_total + 1 >= cfg.probe_max_steps
-            window = self._probe_timed + 1 >= cfg.probe_steps
-            if self._probe == "spec":  # a speculative probe's verdict comes at every `every`-th step
-                window = window and (self._probe_total + 1) % cfg.every == 0
+            window = self._probe_timed + 1 >= cfg.probe_steps and (self._probe_total + 1) % cfg.every == 0
             return at_max or window
-        if self._on:
+        if self._probe is None and self._on:
             return self._timed and self.depth.exploring is None and self.step + 1 >= self._next_plain_probe
-        return self.step + 1 >= self._next_spec_probe
+        return False
 
     @property
     def k(self) -> int:
