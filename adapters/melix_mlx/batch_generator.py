@@ -367,6 +367,7 @@ class MTPBatchGenerator(BatchSurface):
         """
         if not len(self.batch) or self._admission_due() or self._ahead is not None:
             return
+        self._reconcile()  # nothing runs ahead now: a resume put off for a plain step applies
         rows = self.batch.rows
         plans = self._plans(rows, [row.payload for row in rows])
         if any(p.k for p in plans) and not self.run_ahead:
@@ -415,11 +416,17 @@ class MTPBatchGenerator(BatchSurface):
         rows = self.batch.rows
         fresh = self._plans(rows, [row.payload for row in rows]) if rows else []
         same_rows = [row.uid for row in rows] == self._ahead_uids
-        pairs = list(zip(fresh, self._ahead_plans))
-        if same_rows and all((now.k > 0) == (then.k > 0) and then.k <= now.k for now, then in pairs):
+        resuming = [self._resuming(row) for row in rows]
+        pairs = list(zip(fresh, self._ahead_plans, resuming))
+        # a plain step of a row resuming after it is kept (`_reconcile`)
+        if same_rows and all(
+            (then.k == 0 and waits) or ((now.k > 0) == (then.k > 0) and then.k <= now.k)
+            for now, then, waits in pairs
+        ):
             return
         self.engine.abandon(step)
         self._ahead = None
+        self._reconcile()  # a resume put off for the step just undone applies now
 
     def _drop_cycle_ahead(self) -> None:
         if isinstance(self._ahead, Flight):
@@ -463,13 +470,24 @@ class MTPBatchGenerator(BatchSurface):
         rows = self.batch.rows if rows is None else rows
         events = self.controller.events
         if self.controller.speculating:
-            uids = [r.uid for r in rows if r.state is State("suspended") and r.payload.refusal is None]
+            uids = [r.uid for r in rows if self._resuming(r)]
+            if isinstance(self._ahead, PlainStep):
+                # a plain step launched ahead belongs to the suspended window it was launched
+                # in: its rows settle it as a plain step and resume after it (their next step
+                # is planned as a cycle meanwhile), so the switch undoes nothing
+                uids = [uid for uid in uids if uid not in self._ahead_uids]
             signal = Signal(event=lc.RESUME.event, reason=str(events[-1].reason) if events else "speculating")
         else:
             uids = [r.uid for r in rows if r.state in lc.CYCLE_READY]
             signal = Signal(event=lc.SUSPEND.event, reason=str(events[-1].reason) if events else "suspended")
         if uids:
             self._apply_signals(signal.event.value, {uid: signal for uid in uids})
+
+    def _resuming(self, row: Row) -> bool:
+        """A suspended row the controller speculates for again: it resumes at the next
+        `_reconcile` with no plain step of it running ahead."""
+        speculating = self.controller is not None and self.controller.speculating
+        return speculating and row.state is State("suspended") and row.payload.refusal is None
 
     def next_generated(self) -> list[MTPResponse]:
         while True:
@@ -568,7 +586,8 @@ class MTPBatchGenerator(BatchSurface):
         plans = []
         for i, (row, state) in enumerate(zip(rows, states)):
             k, remaining = 0, None
-            if row.state in lc.CYCLE_READY and state.refusal is None and self.head is not None:
+            ready = row.state in lc.CYCLE_READY or self._resuming(row)
+            if ready and state.refusal is None and self.head is not None:
                 remaining = state.max_tokens - state.num_generated
                 if before is not None:  # the fewest that can remain after the step in flight
                     remaining -= before[i].k + 1
@@ -585,6 +604,7 @@ class MTPBatchGenerator(BatchSurface):
         step, plans = self._ahead, self._ahead_plans  # launched at the end of the previous call?
         self._ahead = None
         if step is None:
+            self._reconcile()  # nothing runs ahead now: a resume put off for a plain step applies
             plans = self._plans(rows, states)
             step = self._launch(rows, plans)
             if step is None:

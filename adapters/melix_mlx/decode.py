@@ -122,6 +122,7 @@ class MTPDecoder:
         self.run_ahead = run_ahead_default() if run_ahead is None else run_ahead
         self._single_form: list[Any] | None = None  # the caller's cache list while rows run batch-form
         self._deferred_fault: tuple[SpeculativeFault, int] | None = None  # from a launch ahead
+        self._plain_ahead = False  # a plain step launched ahead is running (see _reconcile)
 
     @property
     def cache(self) -> list[Any]:
@@ -162,7 +163,7 @@ class MTPDecoder:
 
     def _depth(self, remaining: int) -> int:
         """Drafts for the next cycle; 0 means the next step decodes plainly."""
-        if self.machine.state not in lc.CYCLE_READY or self.refusal:
+        if (self.machine.state not in lc.CYCLE_READY and not self._resuming()) or self.refusal:
             return 0
         if self.controller is not None and not self.controller.speculating:
             return 0
@@ -175,6 +176,13 @@ class MTPDecoder:
         if room is not None:
             depth = min(depth, room)
         return max(1, min(depth, remaining - 1))  # a cycle-ready machine takes no plain step
+
+    def _resuming(self) -> bool:
+        """The controller resumed speculation while a plain step launched ahead ran: the
+        lifecycle resumes once that step settles (`_reconcile`); the next step is a cycle."""
+        if self.controller is None or not self.controller.speculating or self._boundary_pause:
+            return False
+        return self.machine.state in lc.STEERABLE and self.machine.allows(lc.RESUME.event)
 
     def _room_before_quantization(self) -> int | None:
         """Drafts a verify may carry and still end before quantized_kv_start (None: no limit)."""
@@ -190,6 +198,8 @@ class MTPDecoder:
         maybe_quantize_kv_cache(self.cache, self.quantized_kv_start, self.kv_group_size, self.kv_bits)
 
     def _start(self, remaining: int) -> Flight | PlainStep:
+        self._plain_ahead = False  # nothing runs ahead of a step started here
+        self._reconcile()  # a resume put off for a plain step since voided (a fault) applies now
         self._quantize()
         k = self._depth(remaining)
         if k > 0:
@@ -222,8 +232,11 @@ class MTPDecoder:
         k = self._depth(left)
         if k == 0:
             return self._plain()
-        if getattr(self.controller, "plain_due", False):
-            return None  # `step`'s update may turn speculation off on schedule: undone then
+        if not self.run_ahead or getattr(self.controller, "plain_due", False):
+            # on a CPU a cycle launched ahead computes while it is launched, inside the
+            # period of the step before it; and one that `step`'s update turns speculation
+            # off for (on schedule) would be undone
+            return None
         try:
             return self.engine.launch([self._plan(k, left)])
         except SpeculativeFault as fault:
@@ -332,6 +345,7 @@ class MTPDecoder:
                 if step is None:
                     step = self._start(remaining)
                 ahead = self._launch_ahead(step, remaining)
+                self._plain_ahead = isinstance(ahead, PlainStep)
                 out = self._finish(step)
                 step = None
                 if self._deferred_fault is not None:
@@ -404,6 +418,11 @@ class MTPDecoder:
         want = self.controller.speculating
         state = self.machine.state
         if want == (state in lc.CYCLE_READY) or state not in lc.STEERABLE:
+            return
+        if want and self._plain_ahead:
+            # a plain step launched ahead belongs to the suspended window it was launched
+            # in: it settles as a plain step, and the row resumes after it (`_resuming`),
+            # so the switch undoes nothing
             return
         event = lc.RESUME if want else lc.SUSPEND
         if self.machine.allows(event.event):

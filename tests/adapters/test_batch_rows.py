@@ -196,7 +196,10 @@ def test_controller_suspends_and_resumes_rows_through_lifecycle_events(loaded_he
         assert got[uid] == _reference(model, prompt)
     totals = gen.batch.totals()
     assert totals.suspensions == 2 and totals.resumptions == 2
-    assert totals.suspended_steps == 2 * 3
+    # three plain steps per row, and the plain step already running ahead when the verdict
+    # resumed: kept as the window's last step, not undone
+    assert totals.suspended_steps == 2 * (3 + 1)
+    assert gen.speculative_stats()["abandoned_steps"] == 0
 
 
 def test_plain_steps_run_ahead_through_removal_and_joins(loaded_heads):

@@ -134,6 +134,36 @@ def test_an_announced_switch_to_plain_undoes_no_cycle_built_ahead(loaded_heads) 
         assert gen.speculative_stats()["abandoned_steps"] == (0 if announcing else 1)
 
 
+# plain three steps, then speculating: the plain step running ahead when the verdict
+# resumes is kept (the row resumes after it), so nothing is undone
+RESUMING = [(False, 2)] * 3 + [(True, 2)] * (4 * N)
+
+
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_a_resume_keeps_the_plain_step_running_ahead(loaded_heads, run_ahead: bool) -> None:
+    model, _, head, _ = loaded_heads["qwen3_5"]
+    controller = ScheduledController(RESUMING)
+    decoder = MTPDecoder(model, head, num_draft_tokens=2, controller=controller, run_ahead=run_ahead)
+    tokens = [t for t, _, _ in decoder.generate(mx.array(PROMPTS[0]), N)]
+    stats = decoder.stats
+    assert tokens == _reference(model, PROMPTS[0]) and controller.violations == []
+    assert stats["abandoned_steps"] == 0 and stats["plain_steps"] == 3 + 1
+    assert stats["resumptions"] == 1 and stats["proposed"] > 0
+    controller = ScheduledController(RESUMING)
+    gen = MTPBatchGenerator(
+        model, head, num_draft_tokens=2, max_tokens=N, controller=controller, run_ahead=run_ahead
+    )
+    uids = gen.insert(PROMPTS)
+    got: dict[int, list[int]] = {u: [] for u in uids}
+    while responses := gen.next_generated():
+        for r in responses:
+            got[r.uid].append(r.token)
+    totals = gen.speculative_stats()
+    assert [got[u] for u in uids] == [_reference(model, p) for p in PROMPTS]
+    assert controller.violations == [] and totals["abandoned_steps"] == 0
+    assert totals["resumptions"] == 2 and totals["proposed"] > 0
+
+
 def test_scheduled_controller_catches_a_decoder_that_ignores_it(loaded_heads) -> None:
     """The check is sharp: a decoder that drafts regardless of the verdict is caught."""
     model, _, head, _ = loaded_heads["mimo"]
