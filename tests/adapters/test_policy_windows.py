@@ -74,6 +74,16 @@ def _reference(model, prompt: list[int]) -> list[int]:
     return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=N)]
 
 
+def _decode_batch(gen: MTPBatchGenerator) -> list[list[int]]:
+    """Each of PROMPTS' tokens from the generator, in prompt order."""
+    uids = gen.insert(PROMPTS)
+    got: dict[int, list[int]] = {u: [] for u in uids}
+    while responses := gen.next_generated():
+        for r in responses:
+            got[r.uid].append(r.token)
+    return [got[u] for u in uids]
+
+
 SCHEDULES = st.lists(st.tuples(st.booleans(), st.integers(1, 3)), min_size=1, max_size=6)
 
 
@@ -97,14 +107,8 @@ def test_batch_drafts_only_when_told(loaded_heads, schedule, run_ahead) -> None:
     gen = MTPBatchGenerator(
         model, head, num_draft_tokens=3, max_tokens=N, controller=controller, run_ahead=run_ahead
     )
-    uids = gen.insert(PROMPTS)
-    got: dict[int, list[int]] = {u: [] for u in uids}
-    while responses := gen.next_generated():
-        for r in responses:
-            got[r.uid].append(r.token)
+    assert _decode_batch(gen) == [_reference(model, p) for p in PROMPTS]
     assert controller.violations == []
-    for uid, prompt in zip(uids, PROMPTS):
-        assert got[uid] == _reference(model, prompt)
 
 
 # speculating three steps, then plain: with cycles built ahead (run_ahead), the switch
@@ -124,12 +128,7 @@ def test_an_announced_switch_to_plain_undoes_no_cycle_built_ahead(loaded_heads) 
         gen = MTPBatchGenerator(
             model, head, num_draft_tokens=2, max_tokens=N, controller=controller, run_ahead=True
         )
-        uids = gen.insert(PROMPTS)
-        got: dict[int, list[int]] = {u: [] for u in uids}
-        while responses := gen.next_generated():
-            for r in responses:
-                got[r.uid].append(r.token)
-        assert [got[u] for u in uids] == [_reference(model, p) for p in PROMPTS]
+        assert _decode_batch(gen) == [_reference(model, p) for p in PROMPTS]
         assert controller.violations == []
         assert gen.speculative_stats()["abandoned_steps"] == (0 if announcing else 1)
 
@@ -153,13 +152,8 @@ def test_a_resume_keeps_the_plain_step_running_ahead(loaded_heads, run_ahead: bo
     gen = MTPBatchGenerator(
         model, head, num_draft_tokens=2, max_tokens=N, controller=controller, run_ahead=run_ahead
     )
-    uids = gen.insert(PROMPTS)
-    got: dict[int, list[int]] = {u: [] for u in uids}
-    while responses := gen.next_generated():
-        for r in responses:
-            got[r.uid].append(r.token)
+    assert _decode_batch(gen) == [_reference(model, p) for p in PROMPTS]
     totals = gen.speculative_stats()
-    assert [got[u] for u in uids] == [_reference(model, p) for p in PROMPTS]
     assert controller.violations == [] and totals["abandoned_steps"] == 0
     assert totals["resumptions"] == 2 and totals["proposed"] > 0
 
