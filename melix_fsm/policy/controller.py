@@ -29,7 +29,9 @@ Rules of this module:
   passes `agree` (e.g. a broadcast of rank 0's `Decision`), called on every rank at every
   update; the controller adopts what it returns, so every rank drafts the same k.
 - The engine reads `speculating` and `k` before each step and applies the returned
-  `Action` (suspend / resume rows through lifecycle events) at the cycle boundary.
+  `Action` (suspend / resume rows through lifecycle events) at the cycle boundary. A
+  switch to plain made on schedule is announced a step ahead (`plain_due`), so a decoder
+  that builds steps ahead builds no cycle that the switch would undo.
 """
 
 from __future__ import annotations
@@ -188,9 +190,9 @@ class LiveController:
         speculating starts, or a speculative probe's window may end. A decoder that builds
         step n + 1 before step n syncs builds no cycle ahead while this holds: a verdict
         for plain at step n's update would undo it, a whole cycle of device work lost. (A
-        plain step launched ahead is undone only by a switch to speculation, which keeps
-        the pipeline's timing balanced across a plain window.) A hint, never a verdict: a
-        verdict off schedule (the periodic comparison) still undoes a cycle built ahead."""
+        plain step launched ahead needs no warning: a switch to speculation keeps it as
+        the suspended window's last step.) A hint, never a verdict: a verdict off schedule
+        (the periodic comparison) still undoes a cycle built ahead."""
         if self.policy is not Policy.auto or self.disabled_reason is not None or self._shared is not None:
             return False
         cfg = self.config
