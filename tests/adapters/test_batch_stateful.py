@@ -1,4 +1,5 @@
-"""Identity under reshaping: random insert / next / remove schedules on the real tiny checkpoints.
+"""Identity under reshaping: random insert / next / remove / suspend-resume schedules on the
+real tiny checkpoints.
 
 Every request's tokens must equal mlx-lm's own single-sequence greedy decoding of it
 (cut at its max_tokens or at its stop sequence); a removed request's tokens must be a
@@ -72,6 +73,29 @@ def _cache_rows(cache: list) -> set[int]:
 prompts = st.lists(st.integers(3, 255), min_size=1, max_size=10).map(tuple)
 
 
+class FlippingController:
+    """A verdict the state machine flips; the flip takes effect at the generator's next
+    update, as a live controller's switches do. Records any step begun under a plain
+    verdict that drafted."""
+
+    def __init__(self) -> None:
+        self.speculating = True
+        self.k = 3
+        self.events: list = []
+        self.disabled = False
+        self.flip_due = False
+        self.violations: list[str] = []
+
+    def update(self, batch_size, accepted=0, proposed=0, **timing) -> None:
+        if not self.speculating and proposed:
+            self.violations.append(f"{proposed} drafts under a plain verdict")
+        if self.flip_due:
+            self.speculating, self.flip_due = not self.speculating, False
+
+    def summary(self) -> dict:
+        return {"speculating": self.speculating}
+
+
 def make_machine(family: str) -> type[RuleBasedStateMachine]:
     class BatchIdentity(RuleBasedStateMachine):
         requests = Bundle("requests")
@@ -79,7 +103,10 @@ def make_machine(family: str) -> type[RuleBasedStateMachine]:
         def __init__(self) -> None:
             super().__init__()
             model, head = _loaded(family)
-            self.gen = MTPBatchGenerator(model, head, num_draft_tokens=2, prefill_batch_size=2)
+            self.controller = FlippingController()
+            self.gen = MTPBatchGenerator(
+                model, head, num_draft_tokens=2, prefill_batch_size=2, controller=self.controller
+            )
             self.expected: dict[int, tuple[int, ...]] = {}
             self.got: dict[int, list[int]] = {}
             self.finished: set[int] = set()
@@ -124,6 +151,12 @@ def make_machine(family: str) -> type[RuleBasedStateMachine]:
                     assert tuple(self.got[r.uid]) == self.expected[r.uid]
                     assert r.stats is not None and r.all_tokens is not None
 
+        @rule()
+        def flip(self):
+            """Suspend or resume speculation at the next step's update (a plain step may be
+            running ahead then: it is kept, its rows resume after it)."""
+            self.controller.flip_due = True
+
         @precondition(lambda self: bool(self.got))
         @rule(uid=requests)
         def remove(self, uid):
@@ -137,6 +170,10 @@ def make_machine(family: str) -> type[RuleBasedStateMachine]:
             for uid, tokens in self.got.items():
                 expected = self.expected[uid]
                 assert tuple(tokens) == expected[: len(tokens)], (uid, tokens, expected)
+
+        @invariant()
+        def no_drafts_under_a_plain_verdict(self):
+            assert self.controller.violations == []
 
         @invariant()
         def batch_invariants_hold(self):
