@@ -550,9 +550,10 @@ class MTPBatchGenerator(BatchSurface):
         """Prefill the joining requests, in order: those with nothing cached together in
         groups of similar length (`join_groups`; all in one group where caches are
         windowed, as mlx-lm joins them), the rest alone. A request whose prefill
-        raises fails alone (melix_mlx.batch_surface): if a joint prefill raises, its
-        requests are prefilled one by one (the same tokens either way), so only the one
-        that fails on its own leaves."""
+        raises fails alone (melix_mlx.batch_surface): if a joint prefill raises, the
+        group's rows not yet ready are prefilled one by one (the same tokens either way),
+        so only the one that fails on its own leaves, and a row made ready before the
+        failure keeps its first token (its sampler is not run twice)."""
         options: dict[str, Any] = dict(
             refusal=self.refusal,
             head_disabled=getattr(self.controller, "disabled", False),
@@ -564,7 +565,8 @@ class MTPBatchGenerator(BatchSurface):
             if len(group) > 1:
                 with contextlib.suppress(Exception):
                     prepared = prepare_rows(self.model, self.head, self.engine, group, **options)
-                    done.update({r.uid: row for r, row in zip(group, prepared)})
+                    for request, row in zip(group, prepared):
+                        done[request.uid] = row
         out = []
         for request in ready:
             if request.uid not in done:

@@ -17,6 +17,7 @@ that half of `MTPBatchGenerator`. Rules of this module:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,21 +112,20 @@ def prepare_rows(
     head_disabled: bool,
     max_kv_size: int | None,
     prefill_step_size: int,
-) -> list[PreparedRow]:
+) -> Iterator[PreparedRow]:
     """Prefill fresh requests (`joins_fresh`) together, one forward per chunk for all of
-    them as mlx-lm's BatchGenerator prefills its prompts; then each row as `prepare_row`."""
+    them as mlx-lm's BatchGenerator prefills its prompts; then yield each row, in order, as
+    `prepare_row` would make it. A row that raises stops the iteration there: the rows
+    yielded before it are whole (each drew its first token once)."""
     cache = _merge_caches([make_prompt_cache(model, max_kv_size) for _ in requests])
     logits, hiddens = prefill_together(model, [r.prompt for r in requests], cache, prefill_step_size)
     mx.eval(logits, [c.state for c in cache])
-    rows = []
     for i, request in enumerate(requests):
         own = [c.extract(i) for c in cache]
-        row = _ready(
+        yield _ready(
             model, head, engine, request, own, logits[i : i + 1], hiddens[i],
             refusal, head_disabled, prefill_step_size,
         )
-        rows.append(row)
-    return rows
 
 
 def _ready(

@@ -181,6 +181,31 @@ def test_a_failing_prefill_drops_only_its_request(loaded: tuple, prompts: list, 
     assert uids[1] not in gen.batch
 
 
+def test_a_row_ready_before_a_joint_prefill_fails_draws_its_first_token_once(loaded, prompts) -> None:
+    """Three fresh requests of one length join one prefill, and the second one's sampler
+    raises. The first row, made ready before the failure, keeps the first token its
+    sampler drew; the rest are prefilled one by one; only the failing request leaves. So
+    every surviving row's sampler ran as often as if its request had joined alone."""
+    model, _, head = loaded
+    calls = [0, 0, 0]
+
+    def sampler_for(i: int) -> Any:
+        def sample(logprobs: Any) -> Any:
+            calls[i] += 1
+            if i == 1:
+                raise RuntimeError("injected sampler failure")
+            return mx.argmax(logprobs, axis=-1)
+
+        return sample
+
+    gen = MTPBatchGenerator(model, head, num_draft_tokens=2)
+    uids = gen.insert([prompts[0]] * 3, max_tokens=[4] * 3, samplers=[sampler_for(i) for i in range(3)])
+    with pytest.raises(RequestFailed) as info:
+        gen.next()
+    assert set(info.value.failures) == {uids[1]}
+    assert calls[0] == calls[2] >= 1 and uids[0] in gen.batch and uids[2] in gen.batch
+
+
 def test_rebind_fails_loudly_when_mlx_lm_changes() -> None:
     from melix_mlx.serve.runtime import rebind
     from mlx_lm.server import ResponseGenerator
