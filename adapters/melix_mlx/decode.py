@@ -198,8 +198,9 @@ class MTPDecoder:
         maybe_quantize_kv_cache(self.cache, self.quantized_kv_start, self.kv_group_size, self.kv_bits)
 
     def _start(self, remaining: int) -> Flight | PlainStep:
-        self._plain_ahead = False  # nothing runs ahead of a step started here
-        self._reconcile()  # a resume put off for a plain step since voided (a fault) applies now
+        if self._plain_ahead:  # a resume put off for a plain step since voided (a fault)
+            self._plain_ahead = False
+            self._reconcile()  # ... applies now
         self._quantize()
         k = self._depth(remaining)
         if k > 0:
