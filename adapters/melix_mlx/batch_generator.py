@@ -308,8 +308,9 @@ class MTPBatchGenerator(BatchSurface):
                 end = time.perf_counter()
                 seconds = None if self._last_step_end is None else end - self._last_step_end
                 self._last_step_end = end
-                worth = size * (budget - self._longest_budget()) if draining else len(generation)
-                self._apply_policy(size, seconds, worth, exclude=self._admitted_since)
+                left = self._longest_budget() if draining else None  # no end in sight while refilled
+                worth = size * (budget - left) if left is not None else len(generation)
+                self._apply_policy(size, seconds, worth, exclude=self._admitted_since, remaining=left)
                 self._admitted_since = False
                 self._counters.decode_time += time.perf_counter() - tic
                 self._counters.generation_tokens += len(generation)
@@ -433,8 +434,16 @@ class MTPBatchGenerator(BatchSurface):
             self.engine.abandon(self._ahead)
             self._ahead = None
 
-    def _apply_policy(self, size: int, seconds: float | None, tokens: int, exclude: bool = False) -> None:
-        """Feed the controller this step's outcomes and wall time; its action becomes events."""
+    def _apply_policy(
+        self,
+        size: int,
+        seconds: float | None,
+        tokens: int,
+        exclude: bool = False,
+        remaining: int | None = None,
+    ) -> None:
+        """Feed the controller this step's outcomes and wall time; its action becomes events.
+        remaining: the longest budget left in a draining batch (None: rows are refilled)."""
         if self.controller is None:
             return
         accepted = proposed = 0
@@ -456,6 +465,7 @@ class MTPBatchGenerator(BatchSurface):
             tokens=tokens,
             accepted_per_position=positions or None,
             exclude=exclude,
+            remaining=remaining,
         )
         self._reconcile()
 

@@ -54,7 +54,8 @@ class Cell:
     auto_gate: str | None = None
     auto_speculating_share: float | None = None  # steps the auto run speculated
     # the auto runs' policy counters, summed over the repeats (AUTO_COUNTERS): how many
-    # first plain probes ran, were put off, or were not because the calibration was doubted
+    # first plain probes ran, were put off, or were not because the calibration was doubted,
+    # and how many probes the run's end left no room for
     auto_counters: dict[str, int] = field(default_factory=dict)
     auto_depth_over_plain: float | None = None  # depth "auto" (deepest k cell only)
     auto_depth_k: int | None = None  # the depth it settled on
@@ -71,6 +72,7 @@ AUTO_COUNTERS = (
     "suspend_decisions",
     "resume_decisions",
     "probes",
+    "probes_skipped_short",
 )
 
 

@@ -123,6 +123,7 @@ class MTPDecoder:
         self._single_form: list[Any] | None = None  # the caller's cache list while rows run batch-form
         self._deferred_fault: tuple[SpeculativeFault, int] | None = None  # from a launch ahead
         self._plain_ahead = False  # a plain step launched ahead is running (see _reconcile)
+        self._budget: int | None = None  # tokens the run may still emit before this step (None: no cap)
 
     @property
     def cache(self) -> list[Any]:
@@ -290,8 +291,15 @@ class MTPDecoder:
         if self.controller is None or self.machine.state not in lc.STEERABLE:
             return
         positions = [1] * accepted + [0] * (proposed - accepted) if proposed else None
+        remaining = None if self._budget is None else max(self._budget - tokens, 0)
         self.controller.update(
-            1, accepted, proposed, seconds=seconds, tokens=tokens, accepted_per_position=positions
+            1,
+            accepted,
+            proposed,
+            seconds=seconds,
+            tokens=tokens,
+            accepted_per_position=positions,
+            remaining=remaining,
         )
         self._reconcile()
 
@@ -347,6 +355,7 @@ class MTPDecoder:
                     step = self._start(remaining)
                 ahead = self._launch_ahead(step, remaining)
                 self._plain_ahead = isinstance(ahead, PlainStep)
+                self._budget = remaining if max_tokens >= 0 else None
                 out = self._finish(step)
                 step = None
                 if self._deferred_fault is not None:

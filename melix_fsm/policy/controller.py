@@ -22,6 +22,11 @@ Rules of this module:
 - Hysteresis: suspend below `suspend_below`, resume above `resume_above`, and no two
   policy switches within `min_dwell` steps; probes back off geometrically while they
   keep confirming the current state.
+- A probe must be able to pay: a scheduled probe starts only while the run can still emit
+  `probe_min_remaining` tokens (`remaining`, passed by decoders that know their budget).
+  Near a run's end its window would cost more than acting on its verdict could return.
+  Evidence still acts there: the periodic comparison, and the early plain probe when
+  speculation measures clearly behind the calibrated plain.
 - Fail closed: a failed or missing calibration under `auto` gives a DISABLED controller
   that never speculates (receipt, stats and behaviour agree). `force_on` never suspends,
   `force_off` never speculates.
@@ -156,6 +161,8 @@ class LiveController:
         self._spec_wait = cfg.probe_after
         self._next_plain_probe = cfg.first_probe_after
         self._deferred = False  # the first plain probe was put off once already
+        self._remaining: int | None = None  # tokens the run can still emit (None: no end in sight)
+        self._short: Literal["plain", "spec"] | None = None  # the due probe skipped for want of tokens
         # A probe costs what the losing side loses over its window; on a short run that
         # is a visible share. Probe early only where the prior is in doubt.
         hopeless = self.table is not None and self._perfect_speedup(batch_size) < cfg.resume_above
@@ -201,7 +208,8 @@ class LiveController:
             window = self._probe_timed + 1 >= cfg.probe_steps and (self._probe_total + 1) % cfg.every == 0
             return at_max or window
         if self._probe is None and self._on:
-            return self._timed and self.depth.exploring is None and self.step + 1 >= self._next_plain_probe
+            due = self._timed and self.depth.exploring is None and self.step + 1 >= self._next_plain_probe
+            return due and self._long_enough()
         return False
 
     @property
@@ -310,6 +318,7 @@ class LiveController:
         tokens: int | None = None,
         accepted_per_position: Sequence[int] | None = None,
         exclude: bool = False,
+        remaining: int | None = None,
     ) -> Action:
         """Feed one decode step (a cycle or a plain step); return what to do before the next.
 
@@ -324,8 +333,14 @@ class LiveController:
         before the previous one syncs (mlx-lm's pipelining), so that period carries the
         switch (a step launched under the old verdict and undone, or two steps' compute
         where an eager device ran the launched one at once) and would bias the rates.
+        remaining: tokens the run can still emit after this step, at most (a generator's
+        longest budget left); None: no end in sight (a queue or a server refills rows). A
+        scheduled probe starts only while `probe_min_remaining` tokens are left.
         """
         self._check(batch_size, accepted, proposed, seconds, tokens, accepted_per_position)
+        if remaining is not None and remaining < 0:
+            raise PolicyError(f"live controller: remaining must be >= 0, got {remaining}")
+        self._remaining = remaining
         before = self.speculating
         k_before = self.k
         self.step += 1
@@ -448,7 +463,8 @@ class LiveController:
 
     def _while_on(self, batch_size: int) -> None:
         cfg = self.config
-        if self._timed and self.depth.exploring is None and self.step >= self._next_plain_probe:
+        due = self._timed and self.depth.exploring is None and self.step >= self._next_plain_probe
+        if due and self._probe_pays("plain"):
             est = self.estimate(batch_size)
             ahead = est.source == "measured_spec" and self._above(est, cfg.defer_plain_above)
             if not self._deferred and self._calibrated_at(batch_size) and ahead:
@@ -512,7 +528,7 @@ class LiveController:
 
     def _while_off(self, batch_size: int) -> None:
         cfg = self.config
-        if self.step >= self._next_spec_probe:
+        if self.step >= self._next_spec_probe and self._probe_pays("spec"):
             self._start_probe("spec", batch_size)
             return
         if self.step % cfg.every or not self._dwelt():
@@ -526,6 +542,22 @@ class LiveController:
             self.counters.resume_decisions += 1
             self._next_plain_probe = self.step + self._plain_wait
             self._record(Action.resume, LiveReason.above_threshold, batch_size, est)
+
+    def _long_enough(self) -> bool:
+        """The run can still emit `probe_min_remaining` tokens, or has no end in sight."""
+        return self._remaining is None or self._remaining >= self.config.probe_min_remaining
+
+    def _probe_pays(self, kind: Literal["plain", "spec"]) -> bool:
+        """A due probe may start: enough of the run is left to act on its verdict. A skipped
+        probe is counted once, not at every step it stays due (the periodic comparison
+        still runs meanwhile)."""
+        if self._long_enough():
+            self._short = None
+            return True
+        if self._short != kind:
+            self._short = kind
+            self.counters.probes_skipped_short += 1
+        return False
 
     def _start_probe(self, kind: Literal["plain", "spec"], batch_size: int) -> None:
         self._probe = kind

@@ -84,6 +84,11 @@ class LiveConfig(msgspec.Struct, frozen=True, kw_only=True):
     probe_max_steps: int = 48  # ... a speculative probe runs on until its verdict is clear, up to this
     probe_backoff: float = 2.0  # each probe that confirms the current state doubles the wait
     probe_max_after: int = 1024  # ... up to this many steps
+    # A scheduled probe starts only while the run can still emit this many tokens (the
+    # `remaining` a decoder passes; None: no end in sight). A probe's window costs what the
+    # losing side loses over probe_steps steps, and its verdict pays back only over the
+    # steps left after it: with fewer than ~6 windows' worth left it cannot. 0: always probe
+    probe_min_remaining: int = 48
     margin: float = DEFAULT_MARGIN  # the prior admits at predicted speedup >= 1 + margin
     depth: DepthConfig = DepthConfig()
 
@@ -99,6 +104,8 @@ class LiveConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise PolicyError("live controller: probe_max_steps >= probe_steps >= min_samples")
         if self.doubtful_probe_after < 1 or self.defer_plain_above < self.resume_above:
             raise PolicyError("live controller: doubtful_probe_after >= 1, defer_plain_above >= resume_above")
+        if self.probe_min_remaining < 0:
+            raise PolicyError("live controller: probe_min_remaining must be >= 0")
         if self.defer_priced_within < 1.0:
             raise PolicyError("live controller: defer_priced_within must be >= 1")
         if self.probe_backoff < 1.0 or self.probe_max_after < max(self.probe_after, self.plain_probe_every):
@@ -155,6 +162,7 @@ class LiveCounters(msgspec.Struct, kw_only=True):
     probes_passed: int = 0
     probes_failed: int = 0
     probes_inconclusive: int = 0
+    probes_skipped_short: int = 0  # scheduled probes not run: too few tokens left to pay for one
     shared_overrides: int = 0  # updates where rank 0's decision replaced this rank's
 
 

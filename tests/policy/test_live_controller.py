@@ -238,6 +238,61 @@ def test_a_calibration_that_prices_the_live_cycles_wrong_defers_no_probe():
     assert ctrl.speculating
 
 
+# Speculation wins ~1.15x: not far enough ahead of the calibrated plain for the first
+# plain probe to be put off, and not behind it, so the probe runs on schedule.
+MODEST = World(cycle_s=lambda k: 2.1)
+
+
+def test_a_scheduled_probe_runs_only_where_the_run_can_still_pay_for_it():
+    """A 64-token run has fewer than probe_min_remaining tokens left when its first plain
+    probe is due (step 16): the probe is skipped (counted once) and never announced; a
+    long run, or one without a budget, probes as before."""
+    assert 1.05 < MODEST.true_speedup(2) < 1.25
+    short = LiveController(ADMITTING, prior=PRIOR, depth=2)
+    world = World(cycle_s=MODEST.cycle_s, budget=64)
+    announced = []
+    for _ in range(40):
+        announced.append(short.plain_due)
+        world.step(short)
+    assert short.counters.plain_probes == 0 and short.counters.probes_skipped_short == 1
+    assert not any(announced) and short.counters.steps_plain == 0
+    for budget in (None, 1000):
+        long = LiveController(ADMITTING, prior=PRIOR, depth=2)
+        run(World(cycle_s=MODEST.cycle_s, budget=budget), long, 40)
+        assert long.counters.plain_probes == 1 and long.counters.probes_skipped_short == 0
+    # the check off: the short run probes too
+    always = LiveController(ADMITTING, prior=PRIOR, depth=2, config=LiveConfig(probe_min_remaining=0))
+    run(World(cycle_s=MODEST.cycle_s, budget=64), always, 40)
+    assert always.counters.plain_probes == 1
+
+
+def test_a_suspended_run_near_its_end_runs_no_speculative_probe():
+    """The prior disabled a start where speculation would win: its first speculative
+    probe comes after first_spec_probe_after plain steps, unless the run ends too soon
+    after that for a verdict to pay; rows refilled again (no budget) let it run."""
+    steps = CFG.first_spec_probe_after
+    near_end = steps + CFG.probe_min_remaining - 1  # at the due step, one token short
+    ctrl = LiveController(DISABLING, prior=PRIOR, depth=2)
+    world = World(cycle_s=FAST.cycle_s, budget=near_end)
+    run(world, ctrl, steps + 20)
+    assert ctrl.counters.probes == 0 and ctrl.counters.probes_skipped_short == 1
+    assert ctrl.counters.steps_speculative == 0
+    world.budget = None  # a request joined: no end in sight
+    run(world, ctrl, 1)
+    assert ctrl.counters.probes == 1 and ctrl.speculating
+    ctrl = LiveController(DISABLING, prior=PRIOR, depth=2)
+    run(World(cycle_s=FAST.cycle_s, budget=near_end + 1), ctrl, steps + 1)
+    assert ctrl.counters.probes == 1
+
+
+def test_evidence_still_acts_near_the_end_of_a_run():
+    """Speculation clearly behind the calibrated plain starts its plain window at once,
+    however little of the run is left: that probe follows a measurement, not a schedule."""
+    ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2)
+    run(World(cycle_s=SLOW.cycle_s, budget=40), ctrl, 12)
+    assert ctrl.counters.plain_probes == 1 and not ctrl.speculating
+
+
 def test_a_phase_change_is_followed_both_ways():
     ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2)
     run(FAST, ctrl, 500)
@@ -496,6 +551,10 @@ def test_bad_inputs_are_typed():
         LiveConfig(suspend_below=1.1, resume_above=1.0)
     with pytest.raises(PolicyError):
         LiveConfig(defer_priced_within=0.9)
+    with pytest.raises(PolicyError):
+        LiveConfig(probe_min_remaining=-1)
+    with pytest.raises(PolicyError):
+        ctrl.update(1, remaining=-1)
 
 
 def test_summary_and_events_are_plain_data():

@@ -23,6 +23,7 @@ class World:
     noise: float = 0.0  # relative, uniform: each step's time is x (1 +- noise)
     batch_size: int = 1
     seed: int = 0
+    budget: int | None = None  # tokens the run may still emit, passed as `remaining` (None: no end)
     rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
@@ -40,7 +41,8 @@ class World:
         B = self.batch_size
         if not ctrl.speculating:
             seconds = self._jitter(self.plain_s) if timed else None
-            return ctrl.update(B, seconds=seconds, tokens=B, exclude=exclude), False
+            remaining = self._spend(B)
+            return ctrl.update(B, seconds=seconds, tokens=B, exclude=exclude, remaining=remaining), False
         k = ctrl.k
         per_position = [0] * k
         for _ in range(B):
@@ -58,8 +60,15 @@ class World:
             tokens=accepted + B,
             accepted_per_position=per_position,
             exclude=exclude,
+            remaining=self._spend(accepted + B),
         )
         return action, True
+
+    def _spend(self, tokens: int) -> int | None:
+        """What the budget leaves after a step emitting `tokens` (None: no budget)."""
+        if self.budget is not None:
+            self.budget = max(self.budget - tokens, 0)
+        return self.budget
 
 
 def run(world: World, ctrl: LiveController, steps: int, **kw: bool) -> list[tuple[Action, bool]]:
