@@ -35,15 +35,11 @@ def main() -> None:
     from melix_mlx.batch_generator import MTPBatchGenerator
     from melix_mlx.bench import Bench, _run_batch
     from melix_mlx.checkpoints import resolve_model
-    from melix_mlx.loading import load_with_heads
-    from melix_mlx.workloads import held_out_prompts
 
     from melix_fsm.policy.controller import LiveController
 
-    model_dir = resolve_model(args.model)
-    model, tokenizer, head, info = load_with_heads(model_dir)
-    prompts = held_out_prompts(model_dir)
-    bench = Bench(model, tokenizer, head, family=info.family, max_tokens=args.max_tokens, prompts=prompts)
+    bench = Bench.open(resolve_model(args.model), max_tokens=args.max_tokens)
+    model, head = bench.model, bench.head
     bench.calibrate(args.batch_sizes, [1])
     table = bench.timings.get(1)
     if table is None:

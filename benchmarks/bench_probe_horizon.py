@@ -41,18 +41,14 @@ def main() -> None:
     from melix_mlx.batch_generator import MTPBatchGenerator
     from melix_mlx.bench import Bench, _interleaved, _run_batch, _sampler
     from melix_mlx.checkpoints import resolve_model
-    from melix_mlx.loading import load_with_heads
-    from melix_mlx.workloads import held_out_prompts
     from mlx_lm.generate import BatchGenerator
 
     from melix_fsm.policy.controller import LiveController
     from melix_fsm.policy.decision import Policy
     from melix_fsm.policy.live_types import LiveConfig
 
-    model_dir = resolve_model(args.model)
-    model, tokenizer, head, info = load_with_heads(model_dir)
-    prompts = held_out_prompts(model_dir)
-    bench = Bench(model, tokenizer, head, family=info.family, max_tokens=args.max_tokens, prompts=prompts)
+    bench = Bench.open(resolve_model(args.model), max_tokens=args.max_tokens)
+    model, head = bench.model, bench.head
     bench.calibrate(sorted({1, *args.batch_sizes}), args.ks)
     configs = {"horizon_off": LiveConfig(probe_min_remaining=0), "horizon_on": LiveConfig()}
 

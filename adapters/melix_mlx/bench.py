@@ -152,6 +152,16 @@ class Bench:
         # a calibration that failed: auto runs disabled there, as `generate` would
         self.failures: dict[int, CalibrationError] = {}
 
+    @classmethod
+    def open(cls, model_dir: Path, **options: Any) -> Bench:
+        """A Bench over a checkpoint folder: its model, tokenizer, head and family, and its
+        held-out prompts unless `prompts` is given (`run` and the scripts in benchmarks/)."""
+        from .loading import load_with_heads
+
+        model, tokenizer, head, info = load_with_heads(model_dir)
+        options["prompts"] = list(options.get("prompts") or held_out_prompts(model_dir))
+        return cls(model, tokenizer, head, family=info.family, **options)
+
     def context(self, batch_size: int) -> int:
         """Tokens the cell's cache holds mid-run: attention costs grow with it. A batch's
         rows are left-padded to its longest prompt, so a batch is priced at that length
@@ -543,18 +553,11 @@ def run(
     """Load, calibrate, run every cell; return the results as plain data."""
     from mlx_lm import load as mlx_load
 
-    from .loading import load_with_heads
-
-    model, tokenizer, head, info = load_with_heads(model_dir)
     draft_model = mlx_load(str(draft_dir))[0] if draft_dir is not None else None
-    prompts = list(prompts) if prompts else held_out_prompts(model_dir)
     cells = len(batch_sizes) * len(ks) * len(temps) + len(ks) * len(temps) * (2 if draft_model else 1)
     bar = _progress_bar(cells * repeats, show_progress)
-    bench = Bench(
-        model,
-        tokenizer,
-        head,
-        family=info.family,
+    bench = Bench.open(
+        model_dir,
         draft_model=draft_model,
         max_tokens=max_tokens,
         repeats=repeats,
@@ -567,16 +570,18 @@ def run(
     calibration = bench.calibrate(batch_sizes, ks)
     results: dict[str, Any] = {
         "schema": "melix-fsm/bench/2",
-        "regime": regime() | {"dtype": model_dtype(model)},
+        "regime": regime() | {"dtype": model_dtype(bench.model)},
         "model": str(model_dir),
-        "family": info.family,
+        "family": bench.family,
         "draft_model": str(draft_dir) if draft_dir else None,
         "max_tokens": max_tokens,
         "repeats": repeats,
         "requests_per_slot": requests_per_slot,
         "aa_control": aa_control,
         "calibration": calibration,
-        "prompts": [{"workload": p.workload, "source": p.source, "chars": len(p.text)} for p in prompts],
+        "prompts": [
+            {"workload": p.workload, "source": p.source, "chars": len(p.text)} for p in bench.workload_prompts
+        ],
         "workloads": bench.workload_acceptance(max(ks)),
         "cells": [],
         "draft_cells": [],

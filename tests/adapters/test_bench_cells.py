@@ -13,7 +13,6 @@ from melix_mlx.bench import Bench, _interleaved
 from melix_mlx.bench_results import AUTO_COUNTERS, Cell
 from melix_mlx.checkpoints import resolve_model
 from melix_mlx.cycle_clock import CycleClock
-from melix_mlx.loading import load_with_heads
 from melix_mlx.workloads import Prompt
 
 from melix_fsm.counters import Counters
@@ -35,17 +34,9 @@ def test_repeats_alternate_their_order():
 
 
 def test_cells_record_every_side_once_per_repeat():
-    model_dir = resolve_model("stdlib-tiny")
-    model, tokenizer, head, info = load_with_heads(model_dir)
-    bench = Bench(
-        model,
-        tokenizer,
-        head,
-        family=info.family,
-        max_tokens=6,
-        repeats=2,
-        prompts=[Prompt("code", text, "test") for text in ("def add(a, b):\n", "import os\nimport sys\n")],
-    )
+    prompts = [Prompt("code", text, "test") for text in ("def add(a, b):\n", "import os\nimport sys\n")]
+    bench = Bench.open(resolve_model("stdlib-tiny"), max_tokens=6, repeats=2, prompts=prompts)
+    assert bench.family == "deepseek_v3" and bench.workload_prompts == prompts  # checkpoint, caller
     calibration = bench.calibrate([2], [2])
     assert isinstance(calibration["2"], list)  # calibrated: the auto runs have their prior
     for cell in (bench.batch_cell(2, 2, 0.0, deepest=True), bench.single_cell(2, 0.0, deepest=True)):
