@@ -44,26 +44,12 @@ def main() -> None:
     from mlx_lm.generate import BatchGenerator
 
     from melix_fsm.policy.controller import LiveController
-    from melix_fsm.policy.decision import Policy
     from melix_fsm.policy.live_types import LiveConfig
 
     bench = Bench.open(resolve_model(args.model), max_tokens=args.max_tokens)
     model, head = bench.model, bench.head
     bench.calibrate(sorted({1, *args.batch_sizes}), args.ks)
     configs = {"horizon_off": LiveConfig(probe_min_remaining=0), "horizon_on": LiveConfig()}
-
-    def controller(k: int, batch_size: int, config: LiveConfig) -> LiveController:
-        decision, prior = bench._decision(k, batch_size)
-        return LiveController(
-            bench.timings.get(k) or bench.failures[k],
-            prior=prior,
-            policy=Policy.auto,
-            depth=k,
-            max_depth=k,
-            batch_size=batch_size,
-            active=decision.speculate,
-            config=config,
-        )
 
     def single_plain(prompt: list[int], seed: int) -> float:
         return bench._plain_single(prompt, 0.0, seed=seed)[0]
@@ -89,7 +75,7 @@ def main() -> None:
             tps: dict[str, list[float]] = {}
             counters = {name: dict.fromkeys(COUNTERS, 0) for name in configs}
             for r in range(args.repeats):
-                ctrls = {name: controller(k, batch_size, cfg) for name, cfg in configs.items()}
+                ctrls = {name: bench._controller(k, batch_size, config=cfg) for name, cfg in configs.items()}
                 if path == "single":
                     prompt = bench.prompts[r % len(bench.prompts)]
                     runs = {"plain": partial(single_plain, prompt, r)}

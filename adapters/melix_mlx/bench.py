@@ -71,6 +71,7 @@ from melix_fsm.policy.controller import LiveController
 from melix_fsm.policy.cost_model import TimingTable, acceptance_prior, expected_tokens_from_positions
 from melix_fsm.policy.decision import Policy, decide
 from melix_fsm.policy.errors import CalibrationError
+from melix_fsm.policy.live_types import LiveConfig
 
 from .batch_generator import MTPBatchGenerator
 from .bench_results import AUTO_COUNTERS, Cell, DraftCell, msgspec_builtins, regime
@@ -217,7 +218,9 @@ class Bench:
         decision, _ = self._decision(k, batch_size)
         return None if decision is None else decision.hardware_gate.value
 
-    def _controller(self, k: int, batch_size: int, depth: int | str | None = None) -> LiveController | None:
+    def _controller(
+        self, k: int, batch_size: int, depth: int | str | None = None, config: LiveConfig | None = None
+    ) -> LiveController | None:
         decision, prior = self._decision(k, batch_size)
         if decision is None:
             return None
@@ -229,6 +232,7 @@ class Bench:
             max_depth=k,
             batch_size=batch_size,
             active=decision.speculate,
+            config=config,
         )
 
     # -- cells ----------------------------------------------------------------------------
