@@ -38,7 +38,8 @@ Rules of this module:
   row, so a cycle that moves the other rows and not that one gains nothing, and a
   speculating batch whose rows drift apart pays the tail. "auto" (the default) is drain
   while no request waits, throughput otherwise; a server, which expects arrivals, passes
-  "throughput".
+  "throughput". A draining step also passes that largest budget as `remaining`, so the
+  controller runs no probe the batch's end leaves no room to pay for (None otherwise).
 - Faults: an exception in the head or verify forward faults the rows that were
   speculating; caches are restored and they continue as plain decode. No token is lost.
 """
