@@ -1,8 +1,12 @@
-"""Load and validate the spec files (spec/lifecycle.toml, spec/batch.toml).
+"""Load and validate the spec files: every machine (spec/<name>.toml, see `MACHINES`) and
+the batch composition (spec/batch.toml).
 
 Rules of this module:
 - It only reads and checks; it builds no machine. `melix_fsm.lifecycle` compiles the
-  validated spec into the runtime table, `melix_fsm.oracle` into the oracle class.
+  lifecycle into its runtime table, `melix_fsm.machine` compiles any other machine the
+  same way, `melix_fsm.oracle` / `melix_fsm.machine.build_oracle` into oracle classes.
+- Every machine file has one schema: states, events, optional guards, transitions, an
+  initial state (the lifecycle's header lists the rules the loader enforces).
 - A malformed spec is refused at load time with a `SpecError` naming the offending
   entry; a half-valid spec is never returned.
 - The packaged copy (`melix_fsm/_spec`, written into wheels) wins over the source
@@ -45,7 +49,7 @@ class TransitionSpec:
 
 
 @dataclass(frozen=True)
-class LifecycleSpec:
+class MachineSpec:
     path: str
     schema: str
     initial: str
@@ -53,10 +57,23 @@ class LifecycleSpec:
     events: dict[str, str]  # name -> doc
     guards: dict[str, str]  # name -> doc
     transitions: tuple[TransitionSpec, ...]
+    title: str = ""  # the heading of the machine's page (optional `title` in the file)
+    doc: str = ""  # one paragraph on what the machine decides (optional `doc` in the file)
+
+    @property
+    def name(self) -> str:
+        """The machine's name: its file's stem (spec/controller.toml -> "controller")."""
+        return self.path.replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".toml")
 
     @property
     def finals(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.states.values() if s.final)
+
+
+LifecycleSpec = MachineSpec  # the lifecycle was the first machine; the name stays for callers
+
+# Every machine the product specifies, in reading order (spec/<name>.toml each).
+MACHINES: tuple[str, ...] = ("lifecycle", "controller", "depth", "pipeline", "request")
 
 
 @dataclass(frozen=True)
@@ -114,8 +131,8 @@ def _named_tables(path: str, data: dict[str, Any], key: str) -> dict[str, Any]:
     return tables
 
 
-def parse_lifecycle(data: dict[str, Any], path: str = "<lifecycle>") -> LifecycleSpec:
-    """Validate a parsed lifecycle document; raise SpecError naming the first problem."""
+def parse_machine(data: dict[str, Any], path: str = "<machine>") -> MachineSpec:
+    """Validate a parsed machine document; raise SpecError naming the first problem."""
     schema = data.get("schema")
     if not isinstance(schema, str):
         raise SpecError(path, "schema", "missing schema id string")
@@ -161,7 +178,18 @@ def parse_lifecycle(data: dict[str, Any], path: str = "<lifecycle>") -> Lifecycl
         if name not in used_guards:
             raise SpecError(path, f"guards.{name}", "is declared but no transition uses it")
 
-    return LifecycleSpec(path, schema, initial, states, events, guards, tuple(transitions))
+    title, doc = data.get("title", ""), data.get("doc", "")
+    if not isinstance(title, str) or not isinstance(doc, str):
+        raise SpecError(path, "title/doc", "must be strings")
+    return MachineSpec(
+        path, schema, initial, states, events, guards, tuple(transitions),
+        title=title.strip(), doc=" ".join(doc.split()),
+    )
+
+
+def parse_lifecycle(data: dict[str, Any], path: str = "<lifecycle>") -> MachineSpec:
+    """Validate a parsed lifecycle document (any machine document: one schema)."""
+    return parse_machine(data, path)
 
 
 def _parse_transition(
@@ -273,9 +301,17 @@ def parse_batch(data: dict[str, Any], lifecycle: LifecycleSpec, path: str = "<ba
     return BatchSpec(path, schema, operations, invariants)
 
 
-def load_lifecycle(path: Path | None = None) -> LifecycleSpec:
+def load_lifecycle(path: Path | None = None) -> MachineSpec:
     path = path or spec_dir() / "lifecycle.toml"
-    return parse_lifecycle(_read_toml(path), str(path))
+    return parse_machine(_read_toml(path), str(path))
+
+
+def load_machine(name: str, path: Path | None = None) -> MachineSpec:
+    """The machine spec/<name>.toml (or `path`), validated."""
+    if path is None and name not in MACHINES:
+        raise SpecError(name, "machine", f"is not one of the specified machines {list(MACHINES)}")
+    path = path or spec_dir() / f"{name}.toml"
+    return parse_machine(_read_toml(path), str(path))
 
 
 def load_batch(lifecycle: LifecycleSpec, path: Path | None = None) -> BatchSpec:
