@@ -68,6 +68,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from melix_fsm.errors import MelixError
+from melix_fsm.pipeline import PIPELINE, PipelineEvent, PipelineTracker
 
 from . import absorbed_mla, capture, rollback
 from .acceptance import accept_sampled
@@ -284,7 +285,10 @@ class CycleEngine:
         self.head_forwards = 0
         self.abandoned_steps = 0  # launched ahead, then undone: device work thrown away
         self._drafted = False
-        self._in_flight: list[Flight | PlainStep] = []  # launched, not yet settled, in launch order
+        # launched, not yet settled, in launch order; its length is the pipeline's state
+        # (spec/pipeline.toml), which every change below sends an event to
+        self._in_flight: list[Flight | PlainStep] = []
+        self.pipeline: PipelineTracker = PIPELINE.tracker()
         self.clock: CycleClock | None = None  # set to a CycleClock to break cycles down (bench)
         self.agreement = agreement(model)  # rank 0's tokens on every rank (None: one process)
 
@@ -336,6 +340,7 @@ class CycleEngine:
     def extend(self, y: mx.array, rows: list[RowHead]) -> None:
         if self._in_flight:
             raise RuntimeError("rows cannot join while a step is in flight; settle it first")
+        self.pipeline.send(PipelineEvent.extend)
         self.y = mx.concatenate([self.y, y.astype(mx.uint32)])
         self.rows.extend(rows)
 
@@ -349,6 +354,7 @@ class CycleEngine:
         """Keep rows `keep`; plain steps in flight keep those rows too (a cycle must settle first)."""
         if any(isinstance(step, Flight) for step in self._in_flight):
             raise RuntimeError("rows cannot leave while a cycle is in flight; settle it first")
+        self.pipeline.send(PipelineEvent.filter if keep else PipelineEvent.clear)
         self._in_flight = [step.filtered(keep) for step in self._in_flight] if keep else []
         self.y = self.y[mx.array(keep, dtype=mx.int32)] if keep else mx.zeros((0,), mx.uint32)
         self.rows = [self.rows[i] for i in keep]
@@ -398,6 +404,7 @@ class CycleEngine:
     # -- one speculative cycle ----------------------------------------------------------
     def launch(self, plans: list[RowPlan]) -> Flight:
         """Build the cycle's graph and start it on the device (`mx.async_eval`)."""
+        PIPELINE.target(self.pipeline.state, PipelineEvent.launch)  # at most two in flight: before any work
         ks = [p.k for p in plans]
         K = max(ks)
         B = len(plans)
@@ -427,6 +434,7 @@ class CycleEngine:
                 clock.outside += max(t0 - clock._last_settle, 0.0)
         self._advance(flight)
         self._in_flight.append(flight)
+        self.pipeline.send(PipelineEvent.launch)
         return flight
 
     @property
@@ -609,10 +617,11 @@ class CycleEngine:
         try:
             mx.eval(flight.accepted, flight.kept, flight.bonus, flight.inputs, flight.next_draft)
         except Exception as exc:
-            self._undo(flight)
+            self._undo(flight, PipelineEvent.fault)
             raise self._fault(exc, True) from exc
         t1 = time.perf_counter()
         self._in_flight.pop(0)
+        self.pipeline.send(PipelineEvent.settle)
         accepted, kept = flight.accepted.tolist(), flight.kept.tolist()
         fed = flight.inputs.tolist()
         bonus = flight.bonus.tolist()
@@ -648,10 +657,11 @@ class CycleEngine:
         if not self._in_flight or self._in_flight[0] is not step:
             raise RuntimeError("steps settle once each, in launch order (a void step cannot settle)")
 
-    def _undo(self, step: Flight | PlainStep) -> None:
+    def _undo(self, step: Flight | PlainStep, event: PipelineEvent = PipelineEvent.abandon) -> None:
         if step.before is None or step.mark is None or step.head_mark is None:
             raise RuntimeError("a plain step launched before a batch reshape cannot be undone")
         at = next(i for i, s in enumerate(self._in_flight) if s is step)
+        self.pipeline.send(event, newest=at == len(self._in_flight) - 1)
         voided = sum(isinstance(s, Flight) and s.in_graph for s in self._in_flight[at:])
         rollback.restore(self.cache, step.mark, voided)
         rollback.restore(self.head_cache, step.head_mark, voided)
@@ -666,6 +676,7 @@ class CycleEngine:
         The hidden state waits as a pending head pair (fed at the next catch-up). The
         step keeps a mark, so the latest step can be abandoned like a cycle.
         """
+        PIPELINE.target(self.pipeline.state, PipelineEvent.launch)  # at most two in flight: before any work
         step_mark = (rollback.mark(self.cache), rollback.mark(self.head_cache), _EngineState.of(self))
         logits, hidden = forward_with_hidden(self.model, self.y[:, None], self.cache)
         self.target_forwards += 1
@@ -696,6 +707,7 @@ class CycleEngine:
         self.y = tokens
         step = PlainStep(tokens, logprobs, *step_mark)
         self._in_flight.append(step)
+        self.pipeline.send(PipelineEvent.launch)
         return step
 
     def settle_plain(self, step: PlainStep) -> list[int]:
@@ -704,4 +716,5 @@ class CycleEngine:
         self._check_next(step)
         tokens = step.tokens.tolist()
         self._in_flight.pop(0)
+        self.pipeline.send(PipelineEvent.settle)
         return tokens

@@ -29,8 +29,9 @@ def _default_out() -> Path:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "diagram",
-        help="write (or --check) the lifecycle and batch diagrams in spec/diagrams/",
-        description="Render spec/lifecycle.toml and spec/batch.toml as Mermaid, markdown and SVG.",
+        help="write (or --check) every machine's diagram (and the batch's) in spec/diagrams/",
+        description="Render each machine of spec/ (lifecycle, controller, pipeline, request) and "
+        "spec/batch.toml as Mermaid, markdown and SVG.",
     )
     parser.add_argument(
         "--format",
@@ -70,12 +71,14 @@ def run(args: argparse.Namespace) -> int:
 
     out.mkdir(parents=True, exist_ok=True)
     files = diagrams.render_text(names)
-    if diagrams.LIFECYCLE_SVG in names:
-        svg = diagrams.render_svg()
+    for svg_name, machine in diagrams.SVG_FILES.items():
+        if svg_name not in names:
+            continue
+        svg = diagrams.render_svg(machine)
         if svg is None:
-            print("note: Graphviz `dot` not found; skipping lifecycle.svg", file=sys.stderr)
+            print(f"note: Graphviz `dot` not found; skipping {svg_name}", file=sys.stderr)
         else:
-            files[diagrams.LIFECYCLE_SVG] = svg
+            files[svg_name] = svg
     for name, data in files.items():
         path = out / name
         # Leave unchanged files alone, so their mtimes (and make-style rebuilds) stay quiet.
