@@ -67,7 +67,7 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from melix_fsm import lifecycle as lc
-from melix_fsm.batch import Batch, Row
+from melix_fsm.batch import Batch, Operation, Row
 from melix_fsm.lifecycle import Signal, State
 from melix_fsm.policy.controller import LiveController
 from melix_fsm.reasons import RefusalReason, reason_of, refusal_text
@@ -276,7 +276,7 @@ class MTPBatchGenerator(BatchSurface):
         leaving = [uid for uid in self.batch.uids if uid in wanted]
         if leaving:
             removed = Signal(event=lc.FINISH.event, reason="removed")
-            self._apply_signals("finish", {uid: removed for uid in leaving})
+            self._apply_signals(Operation.finish, {uid: removed for uid in leaving})
             self._filter([i for i, uid in enumerate(self.batch.uids) if uid not in wanted])
         return caches
 
@@ -451,10 +451,10 @@ class MTPBatchGenerator(BatchSurface):
         positions: list[int] = []
         for signals in self._events.values():
             for signal in signals:
-                if signal.event is lc.Event("draft"):
+                if signal.event is lc.Event.draft:
                     proposed += signal.drafts
                     positions.extend([0] * (signal.drafts - len(positions)))
-                elif signal.event is lc.Event("verified"):
+                elif signal.event is lc.Event.verified:
                     accepted += signal.accepted
                     for j in range(signal.accepted):
                         positions[j] += 1
@@ -492,13 +492,13 @@ class MTPBatchGenerator(BatchSurface):
             uids = [r.uid for r in rows if r.state in lc.CYCLE_READY]
             signal = Signal(event=lc.SUSPEND.event, reason=str(events[-1].reason) if events else "suspended")
         if uids:
-            self._apply_signals(signal.event.value, {uid: signal for uid in uids})
+            self._apply_signals(Operation(signal.event.value), {uid: signal for uid in uids})
 
     def _resuming(self, row: Row) -> bool:
         """A suspended row the controller speculates for again: it resumes at the next
         `_reconcile` with no plain step of it running ahead."""
         speculating = self.controller is not None and self.controller.speculating
-        return speculating and row.state is State("suspended") and row.payload.refusal is None
+        return speculating and row.state is State.suspended and row.payload.refusal is None
 
     def next_generated(self) -> list[MTPResponse]:
         while True:
@@ -524,7 +524,7 @@ class MTPBatchGenerator(BatchSurface):
             resolution = (
                 lc.ADMIT if row.refusal is None else Signal(event=lc.REFUSE.event, reason=row.refusal)
             )
-            self._apply_signals("resolve", {request.uid: resolution}, joining)
+            self._apply_signals(Operation.resolve, {request.uid: resolution}, joining)
             self._joined.append(request.uid)
             caches.append(prepared.cache)
             head_caches.append(prepared.head_cache)
@@ -682,8 +682,8 @@ class MTPBatchGenerator(BatchSurface):
         """Lifecycle events for the step, then emission."""
         drafted = {rows[i].uid: lc.draft(p.k) for i, p in enumerate(plans) if p.k > 0}
         if drafted:
-            self._apply_signals("step", drafted)
-            self._apply_signals("step", {uid: lc.VERIFY for uid in drafted})
+            self._apply_signals(Operation.step, drafted)
+            self._apply_signals(Operation.step, {uid: lc.VERIFY for uid in drafted})
         self._apply_signals(
             "step",
             {
@@ -709,7 +709,9 @@ class MTPBatchGenerator(BatchSurface):
             self._finish(finished, out)
         return out
 
-    def _apply_signals(self, operation: str, signals: dict[Any, Signal], batch: Batch | None = None) -> None:
+    def _apply_signals(
+        self, operation: Operation, signals: dict[Any, Signal], batch: Batch | None = None
+    ) -> None:
         """The one funnel for every lifecycle event: the batch operation (atomic, and only
         the events spec/batch.toml lists for it), then the report."""
         (self.batch if batch is None else batch).apply(operation, signals)
@@ -731,10 +733,10 @@ class MTPBatchGenerator(BatchSurface):
     def _fault_rows(self, uids: list[Any], ks: list[int], fault: SpeculativeFault) -> None:
         message = str(fault)
         if fault.drafted:  # the drafts existed: record them, then discard them with the fault
-            self._apply_signals("step", {uid: lc.draft(k) for uid, k in zip(uids, ks)})
-            self._apply_signals("step", {uid: lc.VERIFY for uid in uids})
+            self._apply_signals(Operation.step, {uid: lc.draft(k) for uid, k in zip(uids, ks)})
+            self._apply_signals(Operation.step, {uid: lc.VERIFY for uid in uids})
         signal = Signal(event=lc.FAULT.event, reason=message)
-        self._apply_signals("fault", {uid: signal for uid in uids})
+        self._apply_signals(Operation.fault, {uid: signal for uid in uids})
         faulted = set(uids)
         for uid in uids:
             self.batch.row(uid).payload.fault = message
@@ -749,7 +751,7 @@ class MTPBatchGenerator(BatchSurface):
         for i, row in enumerate(self.batch):
             if row.uid in done:
                 by_uid[row.uid] = ([c.extract(i) for c in self.cache], list(row.payload.context))
-        self._apply_signals("finish", {uid: lc.FINISH for uid in uids})
+        self._apply_signals(Operation.finish, {uid: lc.FINISH for uid in uids})
         for uid in uids:
             self._retired_counters[uid] = self.batch.row(uid).counters
         self._left.extend(uids)

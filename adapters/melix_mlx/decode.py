@@ -60,7 +60,7 @@ from .engine import CycleEngine, Flight, PlainStep, RowHead, RowPlan, Speculativ
 from .errors import check_kv_group
 from .hidden import main_parts
 from .prefill import check_prompt, prefill_with_hidden
-from .sampling import SamplingParams, normalize_logits, params_of
+from .sampling import UNKNOWN_SAMPLER, SamplingParams, normalize_logits, params_of
 from .token_history import TokenHistory
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -141,8 +141,7 @@ class MTPDecoder:
         if refused:
             return refused
         if self.params is None:
-            why = "unknown sampler: its distribution cannot be verified losslessly"
-            return refusal_text(RefusalReason.unsupported_sampler, why)
+            return refusal_text(RefusalReason.unsupported_sampler, UNKNOWN_SAMPLER)
         return rollback.refusal(self.cache, model=self.model)
 
     def _resolve(self) -> None:
