@@ -73,7 +73,7 @@ class MachineSpec:
 LifecycleSpec = MachineSpec  # the lifecycle was the first machine; the name stays for callers
 
 # Every machine the product specifies, in reading order (spec/<name>.toml each).
-MACHINES: tuple[str, ...] = ("lifecycle", "controller", "pipeline", "request")
+MACHINES: tuple[str, ...] = ("lifecycle", "controller", "depth", "pipeline", "request")
 
 
 @dataclass(frozen=True)

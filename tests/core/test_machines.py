@@ -21,6 +21,7 @@ from melix_fsm import diagrams, lifecycle
 from melix_fsm.errors import IllegalTransition
 from melix_fsm.machine import CompiledMachine, MissingGuard, build_oracle
 from melix_fsm.pipeline import PIPELINE
+from melix_fsm.policy.depth import DEPTH
 from melix_fsm.policy.modes import CONTROLLER
 from melix_fsm.request import REQUEST
 from melix_fsm.spec import MACHINES, SpecError, load_machine, spec_dir
@@ -28,7 +29,13 @@ from melix_fsm.spec import MACHINES, SpecError, load_machine, spec_dir
 LIFECYCLE = CompiledMachine(
     lifecycle.SPEC, lifecycle.State, lifecycle.Event, frozenset(lifecycle.SPEC.guards)
 )
-COMPILED = {"lifecycle": LIFECYCLE, "controller": CONTROLLER, "pipeline": PIPELINE, "request": REQUEST}
+COMPILED = {
+    "lifecycle": LIFECYCLE,
+    "controller": CONTROLLER,
+    "depth": DEPTH,
+    "pipeline": PIPELINE,
+    "request": REQUEST,
+}
 
 
 def test_every_listed_machine_has_a_spec_file_a_runtime_and_diagrams() -> None:

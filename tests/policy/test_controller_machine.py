@@ -24,6 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from melix_fsm.machine import Step, build_oracle
 from melix_fsm.policy.controller import LiveController
+from melix_fsm.policy.depth import DEPTH, DepthMode
 from melix_fsm.policy.errors import CalibrationError
 from melix_fsm.policy.live_types import Action, LiveConfig
 from melix_fsm.policy.modes import CONTROLLER, ON_SIDE, PROBES, SPECULATING, Mode, ModeEvent
@@ -44,6 +45,7 @@ CFG = LiveConfig(
 )
 TIMINGS = [BANDWIDTH_BOUND, COMPUTE_BOUND, None, CalibrationError("measurement_poisoned", "prefill beside")]
 Oracle = build_oracle(CONTROLLER.spec)
+DepthOracle = build_oracle(DEPTH.spec)
 
 
 def guard_values(step: Step) -> dict[str, bool]:
@@ -64,6 +66,8 @@ class ControllerWalk(RuleBasedStateMachine):
         self.ctrl = LiveController(timings, prior=PRIOR, policy=policy, depth=depth, max_depth=3, config=CFG)
         self.world = World(batch_size=rows, seed=seed)
         self.oracle = Oracle()
+        self.depth_oracle = DepthOracle()
+        self.depth_seen = 0
         self.seen = 0
         self.last_side_switch = 0
         self.probe_steps = 0
@@ -87,6 +91,23 @@ class ControllerWalk(RuleBasedStateMachine):
                 self.last_side_switch = self.ctrl.step
         self.seen = mode.sent
         assert self.oracle.current_state_value == self.ctrl.state
+        self.check_depth()
+
+    def check_depth(self) -> None:
+        """The depth chooser's moves are spec/depth.toml's transitions, as the oracle takes them."""
+        depth = self.ctrl.depth
+        tracker = depth.mode
+        new = tracker.sent - self.depth_seen
+        for step in tracker.history[len(tracker.history) - new :] if new else []:
+            assert self.depth_oracle.current_state_value == step.source, step
+            self.depth_oracle.send(step.event)
+            assert self.depth_oracle.current_state_value == step.target, step
+        self.depth_seen = tracker.sent
+        assert (tracker.state is DepthMode.exploring) == (depth.exploring is not None)
+        if tracker.state is DepthMode.fixed:
+            assert depth.k == depth.max_k and not depth.events
+        if self.ctrl.state not in SPECULATING:
+            assert depth.exploring is None, "no depth window while the controller decodes plainly"
 
     @rule(
         cycle=st.floats(0.4, 3.0),
