@@ -685,7 +685,7 @@ class MTPBatchGenerator(BatchSurface):
             self._apply_signals(Operation.step, drafted)
             self._apply_signals(Operation.step, {uid: lc.VERIFY for uid in drafted})
         self._apply_signals(
-            "step",
+            Operation.step,
             {
                 row.uid: lc.verified(settled.accepted[i]) if plans[i].k > 0 else lc.PLAIN_STEP
                 for i, row in enumerate(rows)
