@@ -159,9 +159,8 @@ class MTPBatchGenerator(BatchSurface):
         self._joined: list[Any] = []
         self._left: list[Any] = []
         self._first_logprobs: dict[int, mx.array] = {}
-        self._ahead: Flight | PlainStep | None = None  # the next step, launched before it was due
-        self._ahead_plans: list[RowPlan] = []  # its plans
-        self._ahead_uids: list[Any] = []  # the rows it was launched for
+        # the next step, launched before it was due (it carries its plans and rows' uids)
+        self._ahead: Flight | PlainStep | None = None
         self._ahead_fault: tuple[SpeculativeFault, list[tuple[Any, int]]] | None = None
         self._last_step_end: float | None = None
         self._admitted_since = False
@@ -376,7 +375,7 @@ class MTPBatchGenerator(BatchSurface):
             return  # a cycle waits for the next call (measured no gain on a CPU: BENCHMARKS.md)
         step = self._launch(rows, plans)
         if step is not None:
-            self._keep_ahead(step, rows, plans)
+            self._keep_ahead(step)
 
     def _admission_due(self) -> bool:
         """A queued request has a free row to join at the end of this call."""
@@ -386,16 +385,18 @@ class MTPBatchGenerator(BatchSurface):
         """Launch step n + 1 before step n settles. A fault while building it is recorded
         once step n's events are (`_fault_ahead`): the lifecycle sees steps in order."""
         try:
-            step = self.engine.launch(plans) if any(p.k for p in plans) else self.engine.plain(plans)
+            uids = [row.uid for row in rows]
+            launch = self.engine.launch if any(p.k for p in plans) else self.engine.plain
+            step = launch(plans, uids)
         except SpeculativeFault as fault:
             self._ahead_fault = (fault, [(row.uid, p.k) for row, p in zip(rows, plans) if p.k > 0])
             return
-        self._keep_ahead(step, rows, plans)
+        self._keep_ahead(step)
 
-    def _keep_ahead(self, step: Flight | PlainStep, rows: tuple[Row, ...], plans: list[RowPlan]) -> None:
+    def _keep_ahead(self, step: Flight | PlainStep) -> None:
         if isinstance(step, PlainStep):
             mx.async_eval(step.tokens)
-        self._ahead, self._ahead_plans, self._ahead_uids = step, plans, [row.uid for row in rows]
+        self._ahead = step
 
     def _fault_ahead(self) -> None:
         """Record a fault met while launching a step ahead, for the rows still here."""
@@ -417,9 +418,9 @@ class MTPBatchGenerator(BatchSurface):
             return
         rows = self.batch.rows
         fresh = self._plans(rows, [row.payload for row in rows]) if rows else []
-        same_rows = [row.uid for row in rows] == self._ahead_uids
+        same_rows = [row.uid for row in rows] == step.uids
         resuming = [self._resuming(row) for row in rows]
-        pairs = list(zip(fresh, self._ahead_plans, resuming))
+        pairs = list(zip(fresh, step.plans, resuming))
         # a plain step of a row resuming after it is kept (`_reconcile`)
         if same_rows and all(
             (then.k == 0 and waits) or ((now.k > 0) == (then.k > 0) and then.k <= now.k)
@@ -486,7 +487,7 @@ class MTPBatchGenerator(BatchSurface):
                 # a plain step launched ahead belongs to the suspended window it was launched
                 # in: its rows settle it as a plain step and resume after it (their next step
                 # is planned as a cycle meanwhile), so the switch undoes nothing
-                uids = [uid for uid in uids if uid not in self._ahead_uids]
+                uids = [uid for uid in uids if uid not in self._ahead.uids]
             signal = Signal(event=lc.RESUME.event, reason=str(events[-1].reason) if events else "speculating")
         else:
             uids = [r.uid for r in rows if r.state in lc.CYCLE_READY]
@@ -614,7 +615,8 @@ class MTPBatchGenerator(BatchSurface):
     def _step(self) -> list[MTPResponse]:
         rows = self.batch.rows
         states: list[RowState] = [row.payload for row in rows]
-        step, plans = self._ahead, self._ahead_plans  # launched at the end of the previous call?
+        step = self._ahead  # launched at the end of the previous call?
+        plans = step.plans if step is not None else []
         self._ahead = None
         if step is None:
             self._reconcile()  # nothing runs ahead now: a resume put off for a plain step applies
@@ -644,10 +646,11 @@ class MTPBatchGenerator(BatchSurface):
 
     def _launch(self, rows: tuple[Row, ...], plans: list[RowPlan]) -> Flight | PlainStep | None:
         """Launch this step; None when its cycle faulted while building (rows faulted)."""
+        uids = [row.uid for row in rows]
         if not any(p.k for p in plans):
-            return self.engine.plain(plans)
+            return self.engine.plain(plans, uids)
         try:
-            return self.engine.launch(plans)
+            return self.engine.launch(plans, uids)
         except SpeculativeFault as fault:  # the rows continue plainly; no token was emitted
             spec = [i for i, p in enumerate(plans) if p.k > 0]
             self._fault_rows([rows[i].uid for i in spec], [plans[i].k for i in spec], fault)
@@ -778,8 +781,6 @@ class MTPBatchGenerator(BatchSurface):
         else:
             engine.cache, engine.head_cache = [], []
         engine.filter(keep)  # a plain step running ahead keeps the surviving rows
-        if self._ahead is not None:
+        if self._ahead is not None:  # the narrowed step carries the kept rows' plans and uids
             self._ahead = engine.in_flight[0] if keep else None
-            self._ahead_plans = [self._ahead_plans[i] for i in keep]
-            self._ahead_uids = [self._ahead_uids[i] for i in keep]
         self.batch.filter(keep)

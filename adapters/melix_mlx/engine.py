@@ -217,6 +217,9 @@ class Flight:
     head_mark: rollback.CacheMark
     before: _EngineState  # the engine's state at launch: what an undo puts back
     in_graph: bool  # the rollback ran inside the graph; settle only counts its holes
+    # what it was launched for (its own, so a driver keeps no run-ahead state beside it)
+    plans: list[RowPlan] = field(default_factory=list)
+    uids: list[Any] = field(default_factory=list)  # the driver's ids of its rows (default: 0..B-1)
 
 
 @dataclass
@@ -246,11 +249,21 @@ class PlainStep:
     mark: rollback.CacheMark | None
     head_mark: rollback.CacheMark | None
     before: _EngineState | None  # None: the batch was reshaped since; it can only be settled
+    plans: list[RowPlan] = field(default_factory=list)  # what it was launched for, as a Flight
+    uids: list[Any] = field(default_factory=list)
 
     def filtered(self, keep: list[int]) -> PlainStep:
         """The same step for the rows kept by a batch filter (it can no longer be abandoned)."""
         index = mx.array(keep, dtype=mx.int32)
-        return PlainStep(self.tokens[index], self.logprobs[index], None, None, None)
+        return PlainStep(
+            self.tokens[index],
+            self.logprobs[index],
+            None,
+            None,
+            None,
+            [self.plans[i] for i in keep] if self.plans else [],
+            [self.uids[i] for i in keep] if self.uids else [],
+        )
 
 
 @dataclass
@@ -402,7 +415,7 @@ class CycleEngine:
             row.pending_h, row.pending_t = [], []
 
     # -- one speculative cycle ----------------------------------------------------------
-    def launch(self, plans: list[RowPlan]) -> Flight:
+    def launch(self, plans: list[RowPlan], uids: list[Any] | None = None) -> Flight:
         """Build the cycle's graph and start it on the device (`mx.async_eval`)."""
         PIPELINE.target(self.pipeline.state, PipelineEvent.launch)  # at most two in flight: before any work
         ks = [p.k for p in plans]
@@ -432,6 +445,7 @@ class CycleEngine:
             clock.dispatch += time.perf_counter() - t1
             if clock._last_settle is not None:
                 clock.outside += max(t0 - clock._last_settle, 0.0)
+        flight.plans, flight.uids = plans, list(range(B)) if uids is None else list(uids)
         self._advance(flight)
         self._in_flight.append(flight)
         self.pipeline.send(PipelineEvent.launch)
@@ -670,7 +684,7 @@ class CycleEngine:
         del self._in_flight[at:]
 
     # -- plain steps -----------------------------------------------------------------------
-    def plain(self, plans: list[RowPlan]) -> PlainStep:
+    def plain(self, plans: list[RowPlan], uids: list[Any] | None = None) -> PlainStep:
         """One plain forward of every row's y: next tokens [B] and log-probs [B, V], lazy.
 
         The hidden state waits as a pending head pair (fed at the next catch-up). The
@@ -705,7 +719,8 @@ class CycleEngine:
                     for row in self.rows:
                         self.forget(row)
         self.y = tokens
-        step = PlainStep(tokens, logprobs, *step_mark)
+        ids = list(range(len(plans))) if uids is None else list(uids)
+        step = PlainStep(tokens, logprobs, *step_mark, plans, ids)
         self._in_flight.append(step)
         self.pipeline.send(PipelineEvent.launch)
         return step
