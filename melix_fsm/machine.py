@@ -51,8 +51,7 @@ class GuardedCell(NamedTuple):
     if_false: Any
 
 
-@dataclass(frozen=True)
-class Step:
+class Step(NamedTuple):
     """One recorded transition of a tracked machine."""
 
     source: str
@@ -126,7 +125,7 @@ class Tracker(Generic[S, E]):
     machine: CompiledMachine[S, E]
     state: S
     history: list[Step] = field(default_factory=list)
-    keep_history: int = 256  # the newest steps kept (a long run must not grow without bound)
+    keep_history: int = 256  # at least the newest steps kept (at most twice as many)
     sent: int = 0  # events processed over the tracker's life (history keeps the newest)
 
     def send(self, event: E, reason: str = "", **guards: bool) -> S:
@@ -140,9 +139,10 @@ class Tracker(Generic[S, E]):
             label = cell.guard if guards[cell.guard] else "!" + cell.guard
         self.state = target
         self.sent += 1
-        self.history.append(Step(source.value, event.value, target.value, label, str(reason)))
-        if len(self.history) > self.keep_history:
-            del self.history[: len(self.history) - self.keep_history]
+        history = self.history
+        history.append(Step(source.value, event.value, target.value, label, str(reason)))
+        if len(history) > 2 * self.keep_history:  # trimmed in halves: amortised O(1) a step
+            del history[: len(history) - self.keep_history]
         return target
 
     def allows(self, event: E) -> bool:
