@@ -54,9 +54,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="after --: passed to melix-fsm bench")
-    args = parser.parse_args()
-    extra = [a for a in args.bench_args if a != "--"]
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:cut])
+    extra = argv[cut + 1 :]  # after --: passed to melix-fsm bench
     ratios: dict[str, dict[str, list[float]]] = {}
     spreads: dict[str, list[float]] = {}
     for r in range(args.rounds):
