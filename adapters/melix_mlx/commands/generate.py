@@ -117,13 +117,6 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def cache_dir() -> Path:
-    if os.environ.get("MELIX_FSM_CACHE"):
-        return Path(os.environ["MELIX_FSM_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "melix-fsm"
-
-
 def _model_dir(args: argparse.Namespace) -> tuple[Path, str]:
     """(checkpoint dir, source): explicit, embedded, or the recorded random fallback."""
     if args.model is not None:
@@ -132,6 +125,7 @@ def _model_dir(args: argparse.Namespace) -> tuple[Path, str]:
         return resolve_model(args.model), "explicit"
     if (EMBEDDED_CHECKPOINT / "config.json").is_file():
         return EMBEDDED_CHECKPOINT, "embedded"
+    from melix_fsm.commands.paths import cache_dir
     from melix_mlx.tiny import make_tiny
 
     target = cache_dir() / f"tiny-{FALLBACK_FAMILY}"
