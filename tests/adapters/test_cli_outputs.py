@@ -89,6 +89,16 @@ def test_summary_of_a_plain_decode_says_why() -> None:
     assert line == "p: plain decode (unsupported_model): 2 tokens, 10.0 tok/s"
 
 
+@pytest.fixture
+def plot_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench's extra seen as installed: these runs stop before the plot."""
+    if importlib.util.find_spec("matplotlib") is None:
+        fake = types.ModuleType("matplotlib")
+        fake.__spec__ = importlib.machinery.ModuleSpec("matplotlib", None)
+        monkeypatch.setitem(sys.modules, "matplotlib", fake)
+
+
+@pytest.mark.usefixtures("plot_extra")
 def test_bench_writes_to_the_cache_directory_by_default(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -99,10 +109,6 @@ def test_bench_writes_to_the_cache_directory_by_default(
         raise HeadLoadError("stopped before measuring")
 
     monkeypatch.setattr(melix_mlx.bench, "run", refuse)
-    if importlib.util.find_spec("matplotlib") is None:  # the plot is never reached: seen as installed
-        fake = types.ModuleType("matplotlib")
-        fake.__spec__ = importlib.machinery.ModuleSpec("matplotlib", None)
-        monkeypatch.setitem(sys.modules, "matplotlib", fake)
     monkeypatch.setenv("MELIX_FSM_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     assert main(["bench", "--batch-sizes", "1", "--no-progress"]) == 3
@@ -110,6 +116,30 @@ def test_bench_writes_to_the_cache_directory_by_default(
     assert (tmp_path / "cache" / "bench").is_dir() and not (tmp_path / "bench-results").exists()
     assert main(["bench", "--batch-sizes", "1", "--no-progress", "--out", str(tmp_path / "mine")]) == 3
     assert (tmp_path / "mine").is_dir()
+
+
+@pytest.mark.usefixtures("plot_extra")
+def test_bench_takes_embedded_names_and_refuses_unknown_ones_before_any_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import melix_mlx.bench
+    from melix_mlx.checkpoints import resolve_model
+    from melix_mlx.errors import HeadLoadError
+
+    seen: dict = {}
+
+    def record(model_dir: Path, **kwargs: object) -> dict:
+        seen.update(model=model_dir, draft=kwargs["draft_dir"])
+        raise HeadLoadError("stopped before measuring")
+
+    monkeypatch.setattr(melix_mlx.bench, "run", record)
+    out = ["--out", str(tmp_path / "out"), "--no-progress"]
+    assert main(["bench", "--model", "stdlib-hybrid", "--draft-model", "stdlib-tiny-draft", *out]) == 3
+    assert seen == {"model": resolve_model("stdlib-hybrid"), "draft": resolve_model("stdlib-tiny-draft")}
+    capsys.readouterr()
+    seen.clear()
+    assert main(["bench", "--draft-model", "no-such-draft", *out]) == 2
+    assert "--draft-model no-such-draft: no such directory" in capsys.readouterr().err and seen == {}
 
 
 def test_calibrate_shows_progress_as_plain_lines_off_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:

@@ -37,9 +37,18 @@ def register(subparsers: Any) -> None:
         description="Side-by-side tokens/s ratios with acceptance, forwards per token, memory and "
         "the cost model's prediction. Opt-in: it takes minutes.",
     )
-    p.add_argument("--model", type=Path, default=None,
-                   help="directory or embedded name (stdlib-tiny, stdlib-hybrid); default: stdlib-tiny")
-    p.add_argument("--draft-model", type=Path, default=None, help="default: the embedded draft model")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="directory or embedded name (stdlib-tiny, stdlib-hybrid); default: stdlib-tiny",
+    )
+    p.add_argument(
+        "--draft-model",
+        type=Path,
+        default=None,
+        help="directory or embedded name; default: stdlib-tiny-draft",
+    )
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--temps", type=float, nargs="+", default=[0.0, 0.7])
@@ -127,14 +136,19 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.model is None:
-        args.model = EMBEDDED / "stdlib-tiny"
-    else:
-        from melix_mlx.checkpoints import resolve_model
+    from melix_mlx.checkpoints import resolve_model
 
-        args.model = resolve_model(args.model)
-    if args.draft_model is None and (EMBEDDED / "stdlib-tiny-draft" / "config.json").exists():
+    args.model = EMBEDDED / "stdlib-tiny" if args.model is None else resolve_model(args.model)
+    if args.draft_model is not None:
+        args.draft_model = resolve_model(args.draft_model)
+    elif (EMBEDDED / "stdlib-tiny-draft" / "config.json").exists():
         args.draft_model = EMBEDDED / "stdlib-tiny-draft"
+    for flag, path in (("--model", args.model), ("--draft-model", args.draft_model)):
+        if path is not None and not Path(path).is_dir():  # before minutes of loading and measuring
+            print(
+                f"melix-fsm bench: error: {flag} {path}: no such directory or embedded name", file=sys.stderr
+            )
+            return 2
     if args.out is None:
         from melix_fsm.commands.paths import default_output
 
