@@ -6,8 +6,8 @@ Rules of this module:
   finds the absent modules without importing them (importlib.util.find_spec), so the
   check is cheap and runs before any work.
 - `melix_fsm.cli` checks the requirements of the parsed command (a plugin package
-  declares them beside its COMMAND_MODULES) and exits 2 with one line per missing
-  module: `melix-fsm bench: needs matplotlib: pip install "melix-fsm[bench]"`.
+  declares them beside its COMMAND_MODULES) and exits 2 with one line per extra to
+  install: `melix-fsm bench: needs matplotlib: pip install "melix-fsm[bench]"`.
 - No mlx import.
 """
 
@@ -41,5 +41,8 @@ def install_hint(extras: Iterable[str]) -> str:
 
 
 def messages(prog: str, absent: Iterable[Requirement]) -> list[str]:
-    """One line per missing module, naming the extra that brings it."""
-    return [f"{prog}: needs {module}: {install_hint([extra])}" for module, extra in absent]
+    """One line per extra to install, naming its missing modules."""
+    by_extra: dict[str, list[str]] = {}
+    for module, extra in absent:
+        by_extra.setdefault(extra, []).append(module)
+    return [f"{prog}: needs {', '.join(mods)}: {install_hint([extra])}" for extra, mods in by_extra.items()]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from melix_fsm.cli import EXIT_OK, EXIT_USAGE, build_parser, main, plugin_packages, resolve_model
-from melix_fsm.commands.extras import install_hint, missing
+from melix_fsm.commands.extras import install_hint, messages, missing
 from melix_fsm.commands.paths import cache_dir, default_output
 from melix_fsm.commands.progress import Progress
 
@@ -104,6 +104,15 @@ def test_a_missing_extra_is_one_line_before_any_work(
     assert out == "" and not (tmp_path / "cache").exists()  # nothing ran, nothing written
 
 
+def test_without_mlx_the_mlx_commands_name_one_extra(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "mlx", None)
+    monkeypatch.setitem(sys.modules, "mlx_lm", None)
+    assert main(["generate", "--prompt", "x"]) == EXIT_USAGE
+    assert capsys.readouterr().err == 'melix-fsm generate: needs mlx, mlx_lm: pip install "melix-fsm[mlx]"\n'
+
+
 def test_declared_requirements_name_the_extra_that_installs_them() -> None:
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     provided = {
@@ -142,6 +151,11 @@ def test_missing_finds_absent_modules_once(monkeypatch: pytest.MonkeyPatch) -> N
     wanted = [("json", "x"), ("matplotlib", "bench"), ("matplotlib", "bench"), ("no_such_mod_xyz", "y")]
     assert missing(wanted) == [("matplotlib", "bench"), ("no_such_mod_xyz", "y")]
     assert install_hint(["mlx", "bench", "mlx"]) == 'pip install "melix-fsm[mlx,bench]"'
+    absent = [("mlx", "mlx"), ("mlx_lm", "mlx"), ("matplotlib", "bench")]
+    assert messages("melix-fsm bench", absent) == [
+        'melix-fsm bench: needs mlx, mlx_lm: pip install "melix-fsm[mlx]"',
+        'melix-fsm bench: needs matplotlib: pip install "melix-fsm[bench]"',
+    ]
 
 
 # -- diagram --format svg without Graphviz --------------------------------------------------
