@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     from ..errors import HeadLoadError
     from ..loading import load_with_heads
 
-    progress = Progress(len(args.batch_size), "calibrate", unit="batch size", enabled=not args.no_progress)
+    progress = Progress(len(args.batch_size), "calibrate", unit="size", enabled=not args.no_progress)
     progress.note("loading the model")
     try:
         model, _tokenizer, head, info = load_with_heads(args.model)
