@@ -5,7 +5,7 @@ Rules of this module:
   measures. matplotlib is imported only when a plot is asked for (optional `bench` extra).
 - Each cell says in place when its speedup cannot be trusted (its `check` column): the
   speedup lies inside the cell's own A/A range (mlx-lm against itself: the run's noise),
-  the A/A range is wider than NOISY_AA (the machine moved by itself), or the calibration
+  an A/A ratio is off 1 by more than NOISY_AA (the machine moved by itself), or the calibration
   at the cell's k was poisoned (competing load during the run). A warning line under the
   table counts them. The results data (JSON) is unchanged: this is rendering only.
 - The text table's headers are single words, explained by the legend under it.
@@ -20,12 +20,13 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-NOISY_AA = 0.2  # an A/A range wider than this (max - min) means the machine moved by itself
+NOISY_AA = 0.2  # an A/A ratio further than this from 1: the machine moved mlx-lm's rate by itself
 
 LEGEND = (
     "speedup: MTP tok/s over mlx-lm's (median of repeats); range: min-max over repeats; "
     "A/A: mlx-lm over itself (the run's noise); check: ok, or why the speedup is not trustworthy "
-    "(noise: inside A/A; noisy: A/A wider than {noisy:g}; poisoned: calibration at this k poisoned); "
+    "(noise: inside A/A; noisy: an A/A ratio off 1 by more than {noisy:g}; "
+    "poisoned: calibration at this k poisoned); "
     "ideal: the cost model's speedup from this run's timings; of-ideal: speedup / ideal; "
     "fill: busy rows per verify / B; accept: draft acceptance; auto/plain, auto/best: the auto "
     "policy over plain decoding and over the better of plain and always-on; auto-k/plain: auto "
@@ -73,7 +74,7 @@ def doubts(c: dict[str, Any], poisoned_ks: set[int]) -> list[str]:
     aa = c.get("aa_ratios") or []
     if aa and min(aa) <= c["ratio"] <= max(aa):
         out.append("noise")
-    if aa and max(aa) - min(aa) > NOISY_AA:
+    if aa and max(abs(r - 1) for r in aa) > NOISY_AA:
         out.append("noisy")
     if c["k"] in poisoned_ks:
         out.append("poisoned")

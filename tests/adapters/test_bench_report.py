@@ -134,6 +134,13 @@ def test_a_speedup_inside_its_aa_range_or_with_a_poisoned_calibration_is_flagged
     assert batch.strip("|").split("|")[md_names.index("check")].strip() == "noise,noisy,poisoned"
 
 
+def test_an_aa_control_far_from_one_is_noisy_even_when_narrow():
+    results = _results()
+    results["cells"][0]["aa_ratios"] = [1.21, 1.36]  # mlx-lm 20-36% faster than itself: the machine moved
+    names, rows = _rows(table(results))
+    assert rows["batch"][names.index("check")] == "noisy"
+
+
 def test_a_timed_out_calibration_is_not_called_poisoned():
     results = _results()
     results["calibration"] = {"2": {"error": "measurement_timeout", "detail": "budget"}}
