@@ -82,6 +82,12 @@ def test_summary_prefers_the_measured_speedup_then_the_prediction() -> None:
     assert summary("p", [result], _common(), None).endswith("(3/4 drafts)")  # no estimate: none shown
 
 
+def test_summary_says_when_the_policy_never_drafted() -> None:
+    result = {"tokens": [1, 2, 3], "generation_tps": 9.0, "stats": {"accepted": 0, "proposed": 0}}
+    line = summary("p", [result], _common(k=1), None)
+    assert line == "p: mtp k=1: 3 tokens, 9.0 tok/s, no drafts (the device policy decoded plainly)"
+
+
 def test_summary_of_a_plain_decode_says_why() -> None:
     result = {"tokens": [1, 2], "generation_tps": 10.0, "stats": {"refusal_reason": "unsupported_model"}}
     refused = {"refusal_reason": "unsupported_model"}

@@ -46,18 +46,18 @@ def _how(common: dict[str, Any], results: list[dict[str, Any]]) -> str:
 def summary(prog: str, results: list[dict[str, Any]], common: dict[str, Any], wall_s: float | None) -> str:
     """`prog: <how>: <tokens and rate>, acceptance <a> (<accepted>/<proposed> drafts), <speedup>`."""
     tokens = sum(len(r["tokens"]) for r in results)
-    parts = [f"{prog}: {_how(common, results)}"]
     if len(results) == 1 and results[0].get("generation_tps") is not None:
         rate = f"{tokens} tokens, {results[0]['generation_tps']:.1f} tok/s"
     elif wall_s:
         rate = f"{len(results)} prompts, {tokens} tokens in {wall_s:.2f} s ({tokens / wall_s:.1f} tok/s)"
     else:
         rate = f"{len(results)} prompts, {tokens} tokens"
-    line = f"{parts[0]}: {rate}"
+    line = f"{prog}: {_how(common, results)}: {rate}"
+    if common["method"] == "none":
+        return line
     accepted, proposed = _speculated(results)
-    if common["method"] != "none" and proposed:
-        line += f", acceptance {accepted / proposed:.2f} ({accepted}/{proposed} drafts)"
-        speedup = _speedup(results, common["receipt"])
-        if speedup is not None:
-            line += f", {speedup}"
-    return line
+    if not proposed:  # admitted, but the device policy kept speculation off throughout
+        return line + ", no drafts (the device policy decoded plainly)"
+    line += f", acceptance {accepted / proposed:.2f} ({accepted}/{proposed} drafts)"
+    speedup = _speedup(results, common["receipt"])
+    return line + (f", {speedup}" if speedup is not None else "")
