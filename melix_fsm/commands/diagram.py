@@ -6,18 +6,28 @@ Rules of this module:
 - `--check` writes nothing: it renders the byte-stable files (mermaid, markdown) and
   compares them with those in --out. Exit status: 0 fresh, 1 stale or missing (each
   listed on stderr), 2 usage error. SVG is never checked (Graphviz output varies).
-- Without Graphviz `dot`, `--format svg|all` skips the SVG with a note on stderr; that is
-  not an error, so the command works on machines without Graphviz.
+- SVG needs Graphviz `dot`, looked up before anything is written. Without it, `--format
+  svg` (the user asked for the SVG alone) is an error: one line on stderr, exit 2, nothing
+  written; `--format all` (the default) writes the text files and skips the SVG with a
+  note, so the command works on machines without Graphviz.
+- The SVG goes beside the mermaid source (--out, default the spec's diagrams/), one
+  folder per machine's pictures. It is derived and Graphviz-version dependent, so it is
+  never tracked: .gitignore lists spec/diagrams/*.svg.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 EXIT_STALE = 1
+EXIT_USAGE = 2
+GRAPHVIZ_HINT = (
+    "install Graphviz (apt-get install graphviz; brew install graphviz) or use --format mermaid|md"
+)
 
 
 def _default_out() -> Path:
@@ -69,16 +79,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"diagrams in {out} are fresh")
         return 0
 
+    want_svg = any(name in diagrams.SVG_FILES for name in names)
+    if want_svg and shutil.which("dot") is None:
+        if args.format == "svg":  # asked for the SVGs alone: nothing to do without Graphviz
+            print(
+                f"melix-fsm diagram: error: --format svg needs Graphviz `dot`: {GRAPHVIZ_HINT}",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+        print("melix-fsm diagram: note: Graphviz `dot` not found; skipping the .svg files", file=sys.stderr)
+        want_svg = False
     out.mkdir(parents=True, exist_ok=True)
     files = diagrams.render_text(names)
     for svg_name, machine in diagrams.SVG_FILES.items():
-        if svg_name not in names:
-            continue
-        svg = diagrams.render_svg(machine)
-        if svg is None:
-            print(f"note: Graphviz `dot` not found; skipping {svg_name}", file=sys.stderr)
-        else:
-            files[svg_name] = svg
+        if want_svg and svg_name in names:
+            svg = diagrams.render_svg(machine)
+            if svg is not None:
+                files[svg_name] = svg
     for name, data in files.items():
         path = out / name
         # Leave unchanged files alone, so their mtimes (and make-style rebuilds) stay quiet.
