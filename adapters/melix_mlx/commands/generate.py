@@ -268,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
 
     import mlx.core as mx
 
+    from melix_mlx.activation import draft_budget
     from melix_mlx.sampling import make_sampler
 
     from .generate_decode import decode_batched, decode_single
@@ -292,9 +293,7 @@ def run(args: argparse.Namespace) -> int:
     if args.seed is not None:
         mx.random.seed(args.seed)
     sampler = make_sampler(temp=args.temp, top_p=args.top_p)
-    k = config.num_draft_tokens
-    if k == "auto":  # the decoders draft up to the deepest k the controller may choose
-        k = controller.depth.max_k if controller is not None else 1
+    k = draft_budget(config, controller)
     common = {
         "model": str(model_dir),
         "model_source": model_source,
