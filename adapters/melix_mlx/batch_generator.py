@@ -73,7 +73,7 @@ from melix_fsm.policy.controller import LiveController
 from melix_fsm.reasons import RefusalReason, reason_of, refusal_text
 from melix_fsm.report import RowReport, StepReport
 
-from . import head_receipt, ragged_kv, rollback
+from . import head_receipt, ragged_kv, rollback, step_rules
 from .batch_prompts import MAX_PADDING, PreparedRow, join_groups, joins_fresh, prepare_row, prepare_rows
 from .batch_rows import InsertRequest, MTPResponse, RowState
 from .batch_surface import BatchSurface
@@ -448,26 +448,14 @@ class MTPBatchGenerator(BatchSurface):
         remaining: the longest budget left in a draining batch (None: rows are refilled)."""
         if self.controller is None:
             return
-        accepted = proposed = 0
-        positions: list[int] = []
-        for signals in self._events.values():
-            for signal in signals:
-                if signal.event is lc.Event.draft:
-                    proposed += signal.drafts
-                    positions.extend([0] * (signal.drafts - len(positions)))
-                elif signal.event is lc.Event.verified:
-                    accepted += signal.accepted
-                    for j in range(signal.accepted):
-                        positions[j] += 1
-        self.controller.update(
+        step_rules.feed(
+            self.controller,
             size,
-            accepted,
-            proposed,
+            self._events.values(),
             seconds=seconds,
             tokens=tokens,
-            accepted_per_position=positions or None,
-            exclude=exclude,
             remaining=remaining,
+            exclude=exclude,
         )
         self._reconcile()
 
@@ -480,20 +468,15 @@ class MTPBatchGenerator(BatchSurface):
         if self.controller is None:
             return
         rows = self.batch.rows if rows is None else rows
-        events = self.controller.events
-        if self.controller.speculating:
-            uids = [r.uid for r in rows if self._resuming(r)]
-            if isinstance(self._ahead, PlainStep):
-                # a plain step launched ahead belongs to the suspended window it was launched
-                # in: its rows settle it as a plain step and resume after it (their next step
-                # is planned as a cycle meanwhile), so the switch undoes nothing
-                uids = [uid for uid in uids if uid not in self._ahead.uids]
-            signal = Signal(event=lc.RESUME.event, reason=str(events[-1].reason) if events else "speculating")
-        else:
-            uids = [r.uid for r in rows if r.state in lc.CYCLE_READY]
-            signal = Signal(event=lc.SUSPEND.event, reason=str(events[-1].reason) if events else "suspended")
-        if uids:
-            self._apply_signals(Operation(signal.event.value), {uid: signal for uid in uids})
+        # a plain step launched ahead belongs to the suspended window it was launched in: its
+        # rows settle it as a plain step and resume after it (their next step is planned as
+        # a cycle meanwhile), so the switch undoes nothing
+        ahead = set(self._ahead.uids) if isinstance(self._ahead, PlainStep) else set()
+        signal, picked = step_rules.steer(
+            self.controller, [r.state for r in rows], [r.uid in ahead for r in rows]
+        )
+        if picked:
+            self._apply_signals(Operation(signal.event.value), {rows[i].uid: signal for i in picked})
 
     def _resuming(self, row: Row) -> bool:
         """A suspended row the controller speculates for again: it resumes at the next
@@ -682,17 +665,10 @@ class MTPBatchGenerator(BatchSurface):
     def _conclude(
         self, rows: tuple[Row, ...], states: list[RowState], plans: list[RowPlan], settled: Settled
     ) -> list[MTPResponse]:
-        """Lifecycle events for the step, then emission."""
-        drafted = {rows[i].uid: lc.draft(p.k) for i, p in enumerate(plans) if p.k > 0}
-        if drafted:
-            self._apply_signals(Operation.step, drafted)
-            self._apply_signals(Operation.step, {uid: lc.VERIFY for uid in drafted})
+        """Lifecycle events for the step (one atomic batch step), then emission."""
         self._apply_signals(
             Operation.step,
-            {
-                row.uid: lc.verified(settled.accepted[i]) if plans[i].k > 0 else lc.PLAIN_STEP
-                for i, row in enumerate(rows)
-            }
+            {row.uid: step_rules.step_signals(plans[i].k, settled.accepted[i]) for i, row in enumerate(rows)},
         )
         out: list[MTPResponse] = []
         finished = []
@@ -713,13 +689,14 @@ class MTPBatchGenerator(BatchSurface):
         return out
 
     def _apply_signals(
-        self, operation: Operation, signals: dict[Any, Signal], batch: Batch | None = None
+        self, operation: Operation, signals: dict[Any, Signal | list[Signal]], batch: Batch | None = None
     ) -> None:
         """The one funnel for every lifecycle event: the batch operation (atomic, and only
         the events spec/batch.toml lists for it), then the report."""
         (self.batch if batch is None else batch).apply(operation, signals)
-        for uid, signal in signals.items():
-            self._record(uid, signal)
+        for uid, sent in signals.items():
+            for signal in [sent] if isinstance(sent, Signal) else sent:
+                self._record(uid, signal)
 
     # -- emission, faults, reshaping -------------------------------------------------
     def _emit(
@@ -735,11 +712,11 @@ class MTPBatchGenerator(BatchSurface):
 
     def _fault_rows(self, uids: list[Any], ks: list[int], fault: SpeculativeFault) -> None:
         message = str(fault)
-        if fault.drafted:  # the drafts existed: record them, then discard them with the fault
-            self._apply_signals(Operation.step, {uid: lc.draft(k) for uid, k in zip(uids, ks)})
-            self._apply_signals(Operation.step, {uid: lc.VERIFY for uid in uids})
-        signal = Signal(event=lc.FAULT.event, reason=message)
-        self._apply_signals(Operation.fault, {uid: signal for uid in uids})
+        outcome = {uid: step_rules.fault_signals(k, fault.drafted, message) for uid, k in zip(uids, ks)}
+        recorded = {uid: before for uid, (before, _) in outcome.items() if before}
+        if recorded:  # the drafts existed: record them, then discard them with the fault
+            self._apply_signals(Operation.step, recorded)
+        self._apply_signals(Operation.fault, {uid: signal for uid, (_, signal) in outcome.items()})
         faulted = set(uids)
         for uid in uids:
             self.batch.row(uid).payload.fault = message

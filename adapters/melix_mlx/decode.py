@@ -55,7 +55,7 @@ from melix_fsm import lifecycle as lc
 from melix_fsm.lifecycle import SequenceMachine
 from melix_fsm.reasons import RefusalReason, reason_of, refusal_text
 
-from . import head_receipt, ragged_kv, rollback, window_kv
+from . import head_receipt, ragged_kv, rollback, step_rules, window_kv
 from .engine import CycleEngine, Flight, PlainStep, RowHead, RowPlan, SpeculativeFault, run_ahead_default
 from .errors import check_kv_group
 from .hidden import main_parts
@@ -260,54 +260,41 @@ class MTPDecoder:
         """Sync one launched step and record it; None when a cycle faulted."""
         if isinstance(step, PlainStep):
             token = self.engine.settle_plain(step)[0]
-            self.machine.send(lc.PLAIN_STEP)
-            if self._boundary_pause:  # back to speculating after the step at the start
-                self._boundary_pause = False
-                self.machine.send(lc.Signal(event=lc.RESUME.event, reason="past quantized_kv_start"))
+            signals = step_rules.step_signals(0, 0)
             out = [(token, step.logprobs[0], False)]
-            accepted = proposed = 0
         else:
             try:
                 settled = self.engine.settle(step)
             except SpeculativeFault as fault:
                 self._fault(fault, step.ks[0])
                 return None
-            k, a = step.ks[0], settled.accepted[0]
-            self.machine.send(lc.draft(k))
-            self.machine.send(lc.VERIFY)
-            self.machine.send(lc.verified(a))
-            tokens = settled.tokens[0]
-            out = [(t, settled.logprobs[0, j], j < a) for j, t in enumerate(tokens)]
-            accepted, proposed = a, k
-        self._observe(accepted, proposed, len(out))
+            a = settled.accepted[0]
+            signals = step_rules.step_signals(step.ks[0], a)
+            out = [(t, settled.logprobs[0, j], j < a) for j, t in enumerate(settled.tokens[0])]
+        for signal in signals:
+            self.machine.send(signal)
+        if self._boundary_pause and isinstance(step, PlainStep):  # the plain step at the start is done
+            self._boundary_pause = False
+            self.machine.send(lc.Signal(event=lc.RESUME.event, reason="past quantized_kv_start"))
+        self._observe(signals, len(out))
         return out
 
-    def _observe(self, accepted: int, proposed: int, tokens: int) -> None:
+    def _observe(self, signals: list[lc.Signal], tokens: int) -> None:
         """Feed the controller this step's outcome and wall time."""
         now = time.perf_counter()
         seconds = None if self._last_step_end is None else now - self._last_step_end
         self._last_step_end = now
         if self.controller is None or self.machine.state not in lc.STEERABLE:
             return
-        positions = [1] * accepted + [0] * (proposed - accepted) if proposed else None
         remaining = None if self._budget is None else max(self._budget - tokens, 0)
-        self.controller.update(
-            1,
-            accepted,
-            proposed,
-            seconds=seconds,
-            tokens=tokens,
-            accepted_per_position=positions,
-            remaining=remaining,
-        )
+        step_rules.feed(self.controller, 1, [signals], seconds=seconds, tokens=tokens, remaining=remaining)
         self._reconcile()
 
     def _fault(self, fault: SpeculativeFault, k: int) -> None:
-        if fault.drafted:  # the drafts existed: record them, then discard them with the fault
-            self.machine.send(lc.draft(k))
-            self.machine.send(lc.VERIFY)
         self.fault_message = str(fault)
-        self.machine.send(lc.Signal(event=lc.FAULT.event, reason=self.fault_message))
+        recorded, faulted = step_rules.fault_signals(k, fault.drafted, self.fault_message)
+        for signal in (*recorded, faulted):
+            self.machine.send(signal)
         for row in self.engine.rows:  # faulted for good: the head does no more work
             self.engine.forget(row)
 
@@ -424,20 +411,12 @@ class MTPDecoder:
         """
         if self.controller is None:
             return
-        want = self.controller.speculating
-        state = self.machine.state
-        if want == (state in lc.CYCLE_READY) or state not in lc.STEERABLE:
-            return
-        if want and self._plain_ahead:
-            # a plain step launched ahead belongs to the suspended window it was launched
-            # in: it settles as a plain step, and the row resumes after it (`_resuming`),
-            # so the switch undoes nothing
-            return
-        event = lc.RESUME if want else lc.SUSPEND
-        if self.machine.allows(event.event):
-            events = self.controller.events
-            reason = str(events[-1].reason) if events else ("speculating" if want else "suspended")
-            self.machine.send(lc.Signal(event=event.event, reason=reason))
+        # a plain step launched ahead belongs to the suspended window it was launched in:
+        # it settles as a plain step, and the row resumes after it (`_resuming`), so the
+        # switch undoes nothing
+        signal, rows = step_rules.steer(self.controller, [self.machine.state], [self._plain_ahead])
+        if rows:
+            self.machine.send(signal)
 
     @property
     def stats(self) -> dict[str, Any]:

@@ -1,0 +1,96 @@
+"""The rules of one decode step that both decoders follow, written once.
+
+melix_mlx.decode (one sequence, B = 1) and melix_mlx.batch_generator (B rows) drive the
+same cycle engine; what a settled step means for the lifecycle, what a fault records,
+what the live controller is fed and which rows its verdict suspends or resumes are the
+same rules at any B, so they live here and both decoders call them. What differs stays
+with each decoder: admission and emission (the batch), the quantized-KV boundary and the
+single-sequence cache form (one sequence).
+
+Rules of this module:
+- Pure functions over lifecycle values (melix_fsm.lifecycle): no mlx, no engine, no clock.
+- A step's lifecycle events for a row are `step_signals`: a cycle is draft, verify,
+  verified (in that order, never emitted before verified); a plain step is plain_step.
+- A fault records the drafts that existed (draft, verify), then the fault with its
+  message: `fault_signals`.
+- The controller is fed the batch's summed verify outcome with per-position counts
+  (`verify_outcome`, `feed`), and its verdict, not the action it returned, is the truth:
+  `steer` picks the rows to suspend (cycle-ready rows under a plain verdict) or resume
+  (suspended rows under a speculating one, except rows whose plain step runs ahead: they
+  settle it as the suspended window's last step and resume after it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from melix_fsm import lifecycle as lc
+from melix_fsm.lifecycle import Event, Signal, State
+
+
+def step_signals(k: int, accepted: int) -> list[Signal]:
+    """One row's lifecycle events for a settled step: a cycle of k drafts, or a plain step."""
+    if k == 0:
+        return [lc.PLAIN_STEP]
+    return [lc.draft(k), lc.VERIFY, lc.verified(accepted)]
+
+
+def fault_signals(k: int, drafted: bool, message: str) -> tuple[list[Signal], Signal]:
+    """(the step events a faulted cycle still records, the fault itself): the drafts that
+    existed are recorded, then discarded with the fault."""
+    before = [lc.draft(k), lc.VERIFY] if drafted else []
+    return before, Signal(event=lc.FAULT.event, reason=message)
+
+
+def verify_outcome(rows: Iterable[Sequence[Signal]]) -> tuple[int, int, list[int]]:
+    """(accepted, proposed, accepted per draft position) summed over rows' step events."""
+    accepted = proposed = 0
+    positions: list[int] = []
+    for signals in rows:
+        for signal in signals:
+            if signal.event is Event.draft:
+                proposed += signal.drafts
+                positions.extend([0] * (signal.drafts - len(positions)))
+            elif signal.event is Event.verified:
+                accepted += signal.accepted
+                for j in range(signal.accepted):
+                    positions[j] += 1
+    return accepted, proposed, positions
+
+
+def feed(
+    controller: Any,
+    batch_size: int,
+    rows: Iterable[Sequence[Signal]],
+    *,
+    seconds: float | None,
+    tokens: int,
+    remaining: int | None,
+    exclude: bool = False,
+) -> None:
+    """Feed the live controller one step: its rows' verify outcome, wall time and worth."""
+    accepted, proposed, positions = verify_outcome(rows)
+    controller.update(
+        batch_size,
+        accepted,
+        proposed,
+        seconds=seconds,
+        tokens=tokens,
+        accepted_per_position=positions or None,
+        exclude=exclude,
+        remaining=remaining,
+    )
+
+
+def steer(controller: Any, states: Sequence[State], plain_ahead: Sequence[bool]) -> tuple[Signal, list[int]]:
+    """The suspend or resume the controller's verdict asks for, and the rows (indices) it
+    applies to; the reason is the controller's latest decision's."""
+    events = controller.events
+    if controller.speculating:
+        rows = [i for i, s in enumerate(states) if s is State.suspended and not plain_ahead[i]]
+        reason = str(events[-1].reason) if events else "speculating"
+        return Signal(event=Event.resume, reason=reason), rows
+    rows = [i for i, s in enumerate(states) if s in lc.CYCLE_READY]
+    reason = str(events[-1].reason) if events else "suspended"
+    return Signal(event=Event.suspend, reason=reason), rows
