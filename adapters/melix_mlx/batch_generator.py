@@ -419,13 +419,8 @@ class MTPBatchGenerator(BatchSurface):
         rows = self.batch.rows
         fresh = self._plans(rows, [row.payload for row in rows]) if rows else []
         same_rows = [row.uid for row in rows] == step.uids
-        resuming = [self._resuming(row) for row in rows]
-        pairs = list(zip(fresh, step.plans, resuming))
-        # a plain step of a row resuming after it is kept (`_reconcile`)
-        if same_rows and all(
-            (then.k == 0 and waits) or ((now.k > 0) == (then.k > 0) and then.k <= now.k)
-            for now, then, waits in pairs
-        ):
+        resuming = [self._resuming(row) for row in rows]  # their plain step is kept (`_reconcile`)
+        if same_rows and step_rules.ahead_fits([p.k for p in step.plans], [p.k for p in fresh], resuming):
             return
         self.engine.abandon(step)
         self._ahead = None

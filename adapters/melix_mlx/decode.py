@@ -251,10 +251,12 @@ class MTPDecoder:
             return None
         speculating = self.machine.state in lc.CYCLE_READY and not self.refusal
         depth = getattr(self.controller, "k", self.k) if self.controller is not None else self.k
-        if isinstance(ahead, Flight) != speculating or (isinstance(ahead, Flight) and ahead.ks[0] > depth):
-            self.engine.abandon(ahead)
-            return None
-        return ahead
+        then = ahead.ks[0] if isinstance(ahead, Flight) else 0
+        # a resume waits for a plain step running ahead (`_reconcile`): the row is not resuming
+        if step_rules.ahead_fits([then], [depth if speculating else 0], [False]):
+            return ahead
+        self.engine.abandon(ahead)
+        return None
 
     def _finish(self, step: Flight | PlainStep) -> list[Emitted] | None:
         """Sync one launched step and record it; None when a cycle faulted."""

@@ -13,6 +13,9 @@ Rules of this module:
   verified (in that order, never emitted before verified); a plain step is plain_step.
 - A fault records the drafts that existed (draft, verify), then the fault with its
   message: `fault_signals`.
+- A step launched ahead (built on the lazy outcome of the one before it) is kept only if
+  it still fits the plans the rows would get now (`ahead_fits`); otherwise the decoder
+  undoes it and launches again.
 - The controller is fed the batch's summed verify outcome with per-position counts
   (`verify_outcome`, `feed`), and its verdict, not the action it returned, is the truth:
   `steer` picks the rows to suspend (cycle-ready rows under a plain verdict) or resume
@@ -41,6 +44,15 @@ def fault_signals(k: int, drafted: bool, message: str) -> tuple[list[Signal], Si
     existed are recorded, then discarded with the fault."""
     before = [lc.draft(k), lc.VERIFY] if drafted else []
     return before, Signal(event=lc.FAULT.event, reason=message)
+
+
+def ahead_fits(then: Sequence[int], now: Sequence[int], resuming: Sequence[bool]) -> bool:
+    """Does a step launched ahead with drafts `then` per row still fit the drafts `now`
+    (0: plain)? Each row must still speculate or not as it did, and draft no deeper than now
+    allowed; a row's plain step may run on where the row resumes after it."""
+    return len(then) == len(now) and all(
+        (t == 0 and r) or ((n > 0) == (t > 0) and t <= n) for t, n, r in zip(then, now, resuming)
+    )
 
 
 def verify_outcome(rows: Iterable[Sequence[Signal]]) -> tuple[int, int, list[int]]:

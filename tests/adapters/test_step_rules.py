@@ -87,3 +87,13 @@ def test_feed_passes_the_outcome_and_the_budget() -> None:
         "exclude": False,
         "remaining": 7,
     }
+
+
+def test_ahead_fits() -> None:
+    assert step_rules.ahead_fits([2, 0], [2, 0], [False, False])
+    assert step_rules.ahead_fits([1], [2], [False])  # shallower than allowed: still fits
+    assert not step_rules.ahead_fits([2], [1], [False])  # deeper than now allowed
+    assert not step_rules.ahead_fits([0], [2], [False])  # plain where the row speculates now
+    assert step_rules.ahead_fits([0], [2], [True])  # ... unless it resumes after that plain step
+    assert not step_rules.ahead_fits([2], [0], [True])  # a cycle where the row decodes plainly
+    assert not step_rules.ahead_fits([1, 1], [1], [False, False])  # other rows
