@@ -583,7 +583,7 @@ class MTPBatchGenerator(BatchSurface):
                 remaining = state.max_tokens - state.num_generated
                 if before is not None:  # the fewest that can remain after the step in flight
                     remaining -= before[i].k + 1
-                k = max(1, min(depth or state.k, state.k, remaining - 1))
+                k = step_rules.cycle_depth(min(depth or state.k, state.k), remaining)
             sampler = None if state.sampler is greedy_sampler else state.sampler
             history = state.history.upto() if state.history is not None else None
             # `remaining` caps the drafts a row ending in this cycle keeps (RowPlan.keep)
@@ -649,12 +649,12 @@ class MTPBatchGenerator(BatchSurface):
         if any(s.max_tokens - s.num_generated <= p.k + 1 for s, p in zip(states, plans)):
             return None
         cycle = any(p.k for p in plans)
-        if cycle and not (self.run_ahead and self.engine.may_run_ahead()):
+        if not step_rules.may_build_on(cycle, self.run_ahead, self.engine):
             return None  # checked before the plans are built: every CPU cycle passes here
         following = self._plans(self.batch.rows, states, before=plans)
-        plain_due = getattr(self.controller, "plain_due", False)  # a cycle would be undone
-        if any(p.k for p in following) and (not self.run_ahead or plain_due):
-            return None
+        cycle_ahead = any(p.k for p in following)
+        if cycle_ahead and not step_rules.may_launch_cycle_ahead(self.run_ahead, self.controller):
+            return None  # a cycle the schedule's switch to plain would undo, or no run-ahead
         return following
 
     def _conclude(

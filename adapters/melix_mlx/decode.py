@@ -175,7 +175,7 @@ class MTPDecoder:
             return 0
         if room is not None:
             depth = min(depth, room)
-        return max(1, min(depth, remaining - 1))  # a cycle-ready machine takes no plain step
+        return step_rules.cycle_depth(depth, remaining)  # a cycle-ready machine takes no plain step
 
     def _resuming(self) -> bool:
         """The controller resumed speculation while a plain step launched ahead ran: the
@@ -225,7 +225,7 @@ class MTPDecoder:
         if self.processors or self.kv_bits is not None:
             return None  # processors read the host's history; quantization, host offsets
         # after a plain step nothing waits for the host: mlx-lm's own pipelining, always
-        if isinstance(step, Flight) and not (self.run_ahead and self.engine.may_run_ahead()):
+        if not step_rules.may_build_on(isinstance(step, Flight), self.run_ahead, self.engine):
             return None
         left = remaining - (step.ks[0] + 1 if isinstance(step, Flight) else 1)
         if left <= 0:
@@ -233,10 +233,7 @@ class MTPDecoder:
         k = self._depth(left)
         if k == 0:
             return self._plain()
-        if not self.run_ahead or getattr(self.controller, "plain_due", False):
-            # on a CPU a cycle launched ahead computes while it is launched, inside the
-            # period of the step before it; and one that `step`'s update turns speculation
-            # off for (on schedule) would be undone
+        if not step_rules.may_launch_cycle_ahead(self.run_ahead, self.controller):
             return None
         try:
             return self.engine.launch([self._plan(k, left)])

@@ -46,6 +46,27 @@ def fault_signals(k: int, drafted: bool, message: str) -> tuple[list[Signal], Si
     return before, Signal(event=lc.FAULT.event, reason=message)
 
 
+def cycle_depth(k: int, remaining: int) -> int:
+    """Drafts of a row's next cycle (>= 1): k, and at most one fewer than the tokens the
+    row may still emit (a cycle's bonus token is its last)."""
+    return max(1, min(k, remaining - 1))
+
+
+def may_build_on(step_is_cycle: bool, run_ahead: bool, engine: Any) -> bool:
+    """May step n + 1 be built on step n's lazy outcome? Always after a plain step
+    (mlx-lm's own pipelining); after a cycle only with run-ahead on and the cycle's
+    rollback in the graph (`CycleEngine.may_run_ahead`)."""
+    return not step_is_cycle or (run_ahead and engine.may_run_ahead())
+
+
+def may_launch_cycle_ahead(run_ahead: bool, controller: Any) -> bool:
+    """May a cycle be launched ahead? Only with run-ahead on (on a CPU a cycle launched
+    ahead computes inside the period of the step before it), and not while the step
+    before it may turn speculation off on schedule (`LiveController.plain_due`): that
+    switch would undo it."""
+    return run_ahead and not getattr(controller, "plain_due", False)
+
+
 def ahead_fits(then: Sequence[int], now: Sequence[int], resuming: Sequence[bool]) -> bool:
     """Does a step launched ahead with drafts `then` per row still fit the drafts `now`
     (0: plain)? Each row must still speculate or not as it did, and draft no deeper than now
