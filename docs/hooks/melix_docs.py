@@ -101,7 +101,9 @@ def machine_page(name: str) -> str:
         f"*Generated at build time from [spec/{source}](../{SPEC_COPY_DIR}/{source}); "
         "the diagram is rendered by Graphviz from the same spec.*"
     )
-    return _MERMAID_BLOCK.sub(lambda _: _DIAGRAM_DIV.format(name=name), text, count=1) + "\n" + note + "\n"
+    body = _MERMAID_BLOCK.sub(lambda _: _DIAGRAM_DIV.format(name=name), text, count=1)
+    # Without the table of contents the column is wider, and so is the diagram's text.
+    return "---\nhide:\n  - toc\n---\n\n" + body + "\n" + note + "\n"
 
 
 def machines_table() -> str:
@@ -152,7 +154,12 @@ def _help(action: argparse.Action, prog: str) -> str:
         if params.get("choices") is not None:
             params["choices"] = ", ".join(map(str, params["choices"]))
         text = text % {**params, "prog": prog}
-    return " ".join(text.split()).replace("|", "\\|")
+    return _prose(text).replace("|", "\\|")
+
+
+def _prose(text: str) -> str:
+    """Argparse text as one markdown line; `<model>` in a help must not become an HTML tag."""
+    return html.escape(" ".join(text.split()), quote=False)
 
 
 def _default(action: argparse.Action) -> str:
@@ -164,10 +171,10 @@ def _default(action: argparse.Action) -> str:
 def _command_section(prog: str, summary: str, parser: argparse.ArgumentParser, level: int) -> list[str]:
     lines = [f"{'#' * level} `{prog}`", ""]
     if summary:
-        lines += [summary[0].upper() + summary[1:] + ".", ""]
+        lines += [_prose(summary[0].upper() + summary[1:]) + ".", ""]
     lines += ["```text", parser.format_usage().strip(), "```", ""]
     if parser.description:
-        lines += [" ".join(parser.description.split()), ""]
+        lines += [_prose(parser.description), ""]
     skip = (argparse._SubParsersAction, argparse._HelpAction)  # subcommands get sections; -h is everywhere
     actions = [a for a in parser._actions if a.help is not argparse.SUPPRESS and not isinstance(a, skip)]
     if actions:
@@ -175,7 +182,7 @@ def _command_section(prog: str, summary: str, parser: argparse.ArgumentParser, l
         lines += [f"| {_flags(a)} | {_default(a)} | {_help(a, prog)} |" for a in actions]
         lines.append("")
     if parser.epilog:
-        lines += [" ".join(parser.epilog.split()), ""]
+        lines += [_prose(parser.epilog), ""]
     for name, help_text, sub in _subparsers(parser):
         lines += _command_section(f"{prog} {name}", help_text, sub, level + 1)
     return lines
@@ -199,7 +206,7 @@ def cli_page(parser: argparse.ArgumentParser | None = None) -> str:
         "| Command | What it does |",
         "|---|---|",
     ]
-    lines += [f"| [`{name}`](#melix-fsm-{name}) | {help_text} |" for name, help_text, _ in commands]
+    lines += [f"| [`{name}`](#melix-fsm-{name}) | {_prose(help_text)} |" for name, help_text, _ in commands]
     lines.append("")
     for name, help_text, sub in commands:
         lines += _command_section(f"melix-fsm {name}", help_text, sub, 2)
