@@ -27,6 +27,7 @@ import struct
 import subprocess
 import sys
 import time
+import tomllib
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -168,6 +169,15 @@ def test_overview_links_every_machine(site: Path) -> None:
     for spec in diagrams.machine_specs().values():
         for state in spec.states:
             assert f"<code>{state}</code>" in built, state
+
+
+def test_home_page_names_every_extra() -> None:
+    # The extras table of docs/index.md against pyproject.toml, both ways.
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    home = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"^\| `([a-z0-9_-]+)` \|", home, re.M))
+    assert named == extras
+    assert "mkdocs serve" in home
 
 
 def test_api_reference_renders_docstrings(site: Path) -> None:
