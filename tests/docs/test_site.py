@@ -171,6 +171,17 @@ def test_overview_links_every_machine(site: Path) -> None:
             assert f"<code>{state}</code>" in built, state
 
 
+def test_docstring_lists_get_their_blank_line() -> None:
+    _require(importlib.util.find_spec("griffe") is not None, "griffe (docs extra) is not installed")
+    loaded = importlib.util.spec_from_file_location("griffe_lists", ROOT / "docs/hooks/griffe_lists.py")
+    assert loaded is not None and loaded.loader is not None
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
+    text = "Rules:\n- one\n  more\n- two\n\nAfter.\n1. a"
+    assert module.spaced(text) == "Rules:\n\n- one\n  more\n- two\n\nAfter.\n\n1. a"
+    assert module.spaced("- first line\n- second") == "- first line\n- second"
+
+
 def test_home_page_names_every_extra() -> None:
     # The extras table of docs/index.md against pyproject.toml, both ways.
     extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
