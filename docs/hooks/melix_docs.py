@@ -93,7 +93,9 @@ def machine_page(name: str) -> str:
     """The markdown of a machine page: the generated page, its diagram as a placeholder."""
     specs = diagrams.machine_specs()
     text = diagrams.batch_markdown() if name == "batch" else diagrams.machine_markdown(specs[name])
-    text = text.split("\n", 1)[1]  # the "do not edit" header belongs to spec/diagrams/ copies
+    header, text = text.split("\n", 1)  # "do not edit" belongs to the spec/diagrams/ copies
+    if not header.startswith("<!-- Generated"):
+        raise ValueError(f"the generated page of {name} does not start with its header: {header!r}")
     if not _MERMAID_BLOCK.search(text):
         raise ValueError(f"the generated page of {name} has no diagram block to replace")
     source = "batch.toml" if name == "batch" else f"{name}.toml"
