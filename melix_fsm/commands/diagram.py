@@ -4,8 +4,10 @@ Rules of this module:
 - Rendering lives in melix_fsm.diagrams; this module only parses arguments, writes files
   and reports. Importing it is cheap (no statemachine, no mlx).
 - `--check` writes nothing: it renders the byte-stable files (mermaid, markdown) and
-  compares them with those in --out. Exit status: 0 fresh, 1 stale or missing (each
-  listed on stderr), 2 usage error. SVG is never checked (Graphviz output varies).
+  compares them with those in --out, and (in a source checkout, with the default --out)
+  the diagrams embedded in README.md and docs/ (melix_fsm.diagram_copies). Exit status:
+  0 fresh, 1 stale or missing (each listed on stderr), 2 usage error. SVG is never
+  checked (Graphviz output varies). Writing regenerates the embedded copies too.
 - SVG needs Graphviz `dot`, looked up before anything is written. Without it, `--format
   svg` (the user asked for the SVG alone) is an error: one line on stderr, exit 2, nothing
   written; `--format all` (the default) writes the text files and skips the SVG with a
@@ -60,17 +62,35 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def _checkout_root() -> Path | None:
+    """The source checkout holding the spec (None for an installed package)."""
+    from ..spec import spec_dir
+
+    root = spec_dir().parent
+    return root if (root / "README.md").is_file() and (root / "spec").is_dir() else None
+
+
+def _render_copy(name: str) -> str | None:
     from .. import diagrams
+
+    render = diagrams.TEXT_RENDERERS.get(name)
+    return render() if render is not None and name.endswith(".mmd") else None
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import diagram_copies, diagrams
 
     out: Path = args.out if args.out is not None else _default_out()
     names = diagrams.FORMATS[args.format]
+    root = _checkout_root() if args.out is None else None  # pages only beside the default output
     if args.check:
         stale = []
         for name, fresh in diagrams.render_text(names).items():
             path = out / name
             if not path.is_file() or path.read_bytes() != fresh:
                 stale.append(path)
+        if root is not None:
+            stale += diagram_copies.stale_pages(root, _render_copy)
         for path in stale:
             print(f"stale: {path}", file=sys.stderr)
         if stale:
@@ -102,4 +122,7 @@ def run(args: argparse.Namespace) -> int:
         if not path.is_file() or path.read_bytes() != data:
             path.write_bytes(data)
         print(path)
+    if root is not None:
+        for page in diagram_copies.write_pages(root, _render_copy):
+            print(page)
     return 0
