@@ -85,7 +85,8 @@ def test_svg_only_with_graphviz(tmp_path: Path) -> None:
 
 
 def _page(body: str) -> str:
-    return f"# Title\n\n<!-- melix-fsm diagram: controller.mmd -->\n{body}\n<!-- /melix-fsm diagram -->\n\nafter\n"
+    block = f"<!-- melix-fsm diagram: controller.mmd -->\n{body}\n<!-- /melix-fsm diagram -->"
+    return f"# Title\n\n{block}\n\nafter\n"
 
 
 def test_an_embedded_copy_is_checked_and_rewritten(tmp_path: Path) -> None:
@@ -112,4 +113,5 @@ def test_a_bad_embedded_block_names_the_page() -> None:
     with pytest.raises(SpecError, match="unknown diagram"):
         diagram_copies.refresh(_page("").replace("controller.mmd", "nope.mmd"), _render_copy, "P.md")
     with pytest.raises(SpecError, match="not closed"):
-        diagram_copies.refresh("<!-- melix-fsm diagram: lifecycle.mmd -->\n```mermaid\n", _render_copy, "P.md")
+        unclosed = "<!-- melix-fsm diagram: lifecycle.mmd -->\n```mermaid\n"
+        diagram_copies.refresh(unclosed, _render_copy, "P.md")
