@@ -77,15 +77,8 @@ from . import head_receipt, ragged_kv, rollback, step_rules
 from .batch_prompts import MAX_PADDING, PreparedRow, join_groups, joins_fresh, prepare_row, prepare_rows
 from .batch_rows import InsertRequest, MTPResponse, RowState
 from .batch_surface import BatchSurface
-from .engine import (
-    CycleEngine,
-    Flight,
-    PlainStep,
-    RowPlan,
-    Settled,
-    SpeculativeFault,
-    run_ahead_default,
-)
+from .engine import CycleEngine, run_ahead_default
+from .engine_records import Flight, PlainStep, RowPlan, Settled, SpeculativeFault
 from .prefill import check_prompt
 
 OBJECTIVES = ("auto", "throughput", "drain")  # what a step is worth to the live policy

@@ -29,7 +29,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from melix_fsm.reasons import RefusalReason, refusal_text
 
 from .batch_rows import InsertRequest, RowState
-from .engine import CycleEngine, RowHead
+from .engine import CycleEngine
+from .engine_records import RowHead
 from .prefill import prefill_together, prefill_with_hidden
 from .sampling import UNKNOWN_SAMPLER, normalize_logits, params_of
 from .token_history import TokenHistory

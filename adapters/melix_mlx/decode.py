@@ -56,7 +56,8 @@ from melix_fsm.lifecycle import SequenceMachine
 from melix_fsm.reasons import RefusalReason, reason_of, refusal_text
 
 from . import head_receipt, ragged_kv, rollback, step_rules, window_kv
-from .engine import CycleEngine, Flight, PlainStep, RowHead, RowPlan, SpeculativeFault, run_ahead_default
+from .engine import CycleEngine, run_ahead_default
+from .engine_records import Flight, PlainStep, RowHead, RowPlan, SpeculativeFault
 from .errors import check_kv_group
 from .hidden import main_parts
 from .prefill import check_prompt, prefill_with_hidden
