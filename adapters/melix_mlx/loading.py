@@ -30,6 +30,7 @@ from mlx_lm.utils import load_config, load_tokenizer
 from melix_fsm.checkpoint import safetensors_keys
 
 from . import head_receipt
+from .checkpoints import resolve_model
 from .errors import MissingHeadWeights, UnsupportedModel
 from .families import advertised_head_count, detect_family, family_entry
 from .head_weights import (
@@ -127,7 +128,9 @@ def load_with_heads(
     tokenizer_config: dict[str, Any] | None = None,
     sidecar: str | Path | None = None,
 ) -> tuple[nn.Module, Any, MTPHeadBase | StackedHead, HeadInfo]:
-    """Load ``(model, tokenizer, head, info)`` from a local checkpoint directory.
+    """Load ``(model, tokenizer, head, info)`` from a local checkpoint directory, or an
+    embedded checkpoint by name (``stdlib-tiny``, ``stdlib-hybrid``: melix_mlx.checkpoints;
+    an existing directory of that name wins).
 
     ``quantize_head`` quantizes a float-stored head with ``q_bits``/``q_group_size``
     (default: the main model's quantization, else 4 bits / 64). ``own_lm_head``
@@ -145,7 +148,7 @@ def load_with_heads(
     from melix_fsm.receipt import resolve
     from melix_fsm.sidecar import find_pack
 
-    path = Path(path)
+    path = resolve_model(path)
     config = load_config(path)
     family = detect_family(config)
     pack = Path(sidecar) if sidecar is not None else None
