@@ -178,11 +178,11 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
 
     from melix_fsm.commands.options import serving_context
-    from melix_fsm.config import Method, Source, speculative_config
+    from melix_fsm.config import Method, speculative_config
     from melix_fsm.errors import ConfigError
-    from melix_fsm.lifecycle import Event, SequenceMachine, Signal
+    from melix_fsm.lifecycle import SequenceMachine
     from melix_fsm.reasons import RefusalReason
-    from melix_fsm.receipt import Mode, receipt_json, resolve, serving_refusal
+    from melix_fsm.receipt import Mode, resolve
     from melix_mlx.checkpoints import resolve_model
 
     try:
@@ -218,82 +218,48 @@ def run(args: argparse.Namespace) -> int:
         if args.sharding is not None:
             return _fail("--sharding does not load a sidecar head pack; convert it into the checkpoint")
         receipt, preloaded = _resolve_with_pack(model_dir, pack, config, context, machine)
-    receipt_data = json.loads(receipt_json(receipt))
-    explicit = config.method is not Method.none and config.sources.method is Source.explicit
-    reason = receipt.refusal_reason
-    if reason is RefusalReason.unreadable_checkpoint:
-        return _refused(receipt_data, reason.value, receipt.message, EXIT_USAGE)
-    unservable = serving_refusal(model_dir, context)
-    if unservable is not None:  # not even plain decoding can run this serving context
-        return _refused(receipt_data, unservable[0].value, unservable[1])
-    refusal: str | None = None
-    if receipt.mode is Mode.refused:
-        if explicit:
-            return _refused(receipt_data, reason.value, receipt.message)
-        refusal = f"{reason.value}: {receipt.message}"
-        print(f"{PROG}: note: speculation refused ({refusal}); decoding plainly", file=sys.stderr)
-    elif receipt.mode is Mode.legacy_only:
-        refusal = f"{reason.value}: {receipt.message}"
+    from melix_mlx.startup import StartFailed, StartRefused, start
 
-    from melix_mlx.distributed import ShardingRefused
-    from melix_mlx.errors import HeadLoadError, UnsupportedServing
-    from melix_mlx.method_load import load_for_method, load_plain
+    def priced_context(tokenizer: Any) -> int:
+        # priced at the context the run will hold: a batch is left-padded to its longest prompt
+        return max(len(tokenizer.encode(p)) for p in prompts) + args.max_tokens // 2
 
-    head = None
-    load_error: dict[str, str] | None = None
     try:
-        model, tokenizer = (None, None)
-        if refusal is None and preloaded is not None:
-            model, tokenizer, head = preloaded
-        elif refusal is None:
-            try:
-                model, tokenizer, head = load_for_method(model_dir, config, args.sharding)
-            except (HeadLoadError, UnsupportedServing) as exc:
-                load_error = {"reason": str(exc.reason), "message": str(exc)}
-                if explicit:
-                    out = {"error": str(exc.reason), "message": str(exc), "receipt": receipt_data}
-                    print(json.dumps(out))
-                    return _fail(f"{exc.reason}: {exc}", EXIT_REFUSED)
-                refusal = f"{exc.reason}: {exc}"
-                print(f"{PROG}: note: speculation refused ({refusal}); decoding plainly", file=sys.stderr)
-                # the receipt admitted this start: the spec's late refusal, on the same machine
-                machine.send(Signal(event=Event.refuse, reason=refusal))
-                head = None
-        if model is None or tokenizer is None:
-            model, tokenizer = load_plain(model_dir, args.sharding)
-    except ShardingRefused as exc:  # the same on every rank: decided from config and group size
-        return _refused(receipt_data, exc.reason, str(exc))
-    except Exception as exc:  # noqa: BLE001 - a checkpoint mlx-lm cannot load is a usage error
-        return _fail(f"cannot load {model_dir}: {type(exc).__name__}: {exc}")
+        boot = start(
+            model_dir,
+            config,
+            context,
+            batch_size=len(prompts),
+            eval_context=priced_context,
+            sharding=args.sharding,
+            receipt=receipt,
+            machine=machine,
+            preloaded=preloaded,
+        )
+    except StartRefused as exc:
+        return _refused(exc.receipt, exc.reason, exc.message, EXIT_USAGE if exc.usage else EXIT_REFUSED)
+    except StartFailed as exc:
+        return _fail(str(exc))
+    model, tokenizer, head, controller = boot.model, boot.tokenizer, boot.head, boot.controller
+    refusal, load_error, receipt_data = boot.refusal, boot.load_error, boot.receipt_data
+    if (refusal is not None and boot.receipt.mode is Mode.refused) or load_error is not None:
+        print(f"{PROG}: note: speculation refused ({refusal}); decoding plainly", file=sys.stderr)
+    if controller is not None and not boot.speculate:
+        note = boot.receipt.message
+        print(f"{PROG}: note: {note}; decoding plainly unless the policy resumes", file=sys.stderr)
+    if args.receipt:  # else the summary line below (and --json results) say how it decoded
+        print(f"{PROG}: receipt: {json.dumps(receipt_data, separators=(',', ':'))}", file=sys.stderr)
 
     import mlx.core as mx
 
-    from melix_mlx.activation import draft_budget
     from melix_mlx.sampling import make_sampler
 
     from .generate_decode import decode_batched, decode_single
 
-    controller = None
-    if head is not None and refusal is None:
-        # measured after loading, before serving: the receipt gains the hardware gate
-        from melix_mlx.activation import evaluate
-
-        # priced at the context the run will hold: a batch is left-padded to its longest prompt
-        longest = max(len(tokenizer.encode(p)) for p in prompts)
-        context = longest + args.max_tokens // 2
-        activation = evaluate(model, head, receipt, config, batch_size=len(prompts), context=context)
-        receipt_data = json.loads(receipt_json(activation.receipt))
-        controller = activation.controller
-        if not activation.decision.speculate:
-            note = activation.receipt.message
-            print(f"{PROG}: note: {note}; decoding plainly unless the policy resumes", file=sys.stderr)
-    if args.receipt:  # else the summary line below (and --json results) say how it decoded
-        print(f"{PROG}: receipt: {json.dumps(receipt_data, separators=(',', ':'))}", file=sys.stderr)
-
     if args.seed is not None:
         mx.random.seed(args.seed)
     sampler = make_sampler(temp=args.temp, top_p=args.top_p)
-    k = draft_budget(config, controller)
+    k = boot.k
     common = {
         "model": str(model_dir),
         "model_source": model_source,
