@@ -470,7 +470,7 @@ class MTPBatchGenerator(BatchSurface):
         """A suspended row the controller speculates for again: it resumes at the next
         `_reconcile` with no plain step of it running ahead."""
         speculating = self.controller is not None and self.controller.speculating
-        return speculating and row.state is State.suspended and row.payload.refusal is None
+        return speculating and row.state is State.suspended  # the state says it: no refusal string check
 
     def next_generated(self) -> list[MTPResponse]:
         while True:
@@ -572,7 +572,7 @@ class MTPBatchGenerator(BatchSurface):
         for i, (row, state) in enumerate(zip(rows, states)):
             k, remaining = 0, None
             ready = row.state in lc.CYCLE_READY or self._resuming(row)
-            if ready and state.refusal is None and self.head is not None:
+            if ready and self.head is not None:  # a refused or faulted row is never cycle-ready
                 remaining = state.max_tokens - state.num_generated
                 if before is not None:  # the fewest that can remain after the step in flight
                     remaining -= before[i].k + 1

@@ -49,7 +49,9 @@ class RowState:
     matcher: Any
     k: int
     num_generated: int = 0
-    refusal: str | None = None
+    # Why the row decodes plainly, as text: the lifecycle state (refused, faulted) is the
+    # truth and the only thing code branches on; these carry the reason for stats.
+    refusal: str | None = None  # also the resolution's input: a row that joins with one is refused
     fault: str | None = None
     history: TokenHistory | None = None  # `context` on the device, for logits processors only
 
