@@ -156,5 +156,5 @@ def test_calibrate_shows_progress_as_plain_lines_off_a_terminal(capsys: pytest.C
     lines = [line for line in err.splitlines() if line.startswith("calibrate: ")]
     assert lines == ["calibrate: loading the model", "calibrate: timing B=1", "calibrate: 1/1"]
     assert "\r" not in err
-    main([*argv, "--no-progress"])
-    assert "calibrate: " not in capsys.readouterr().err
+    main([*argv, "--no-progress"])  # no progress line (a poisoned run's error line may still name it)
+    assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("calibrate: ")]
