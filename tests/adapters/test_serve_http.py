@@ -1,0 +1,241 @@
+"""The HTTP front refuses what could hurt it, in one error shape, and keeps serving.
+
+Real servers (uvicorn) on 127.0.0.1 ephemeral ports, raw http.client and the openai
+client; every wait bounded. Each probe of issue 35 is here: an out-of-vocabulary
+logit_bias (it used to kill the process), too many logit_bias keys, n, an empty
+prompt, bad JSON, invalid UTF-8, text/plain bodies, the body limit, the prompt-token
+limit, auth, CORS, privacy of every response, the queue limit (429 + Retry-After).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from melix_mlx.checkpoints import EMBEDDED  # noqa: E402
+from serve_helpers import (  # noqa: E402  (tests/adapters is on sys.path)
+    assert_error_shape,
+    client,
+    healthy,
+    metric,
+    post_json,
+    raw,
+    serving,
+    wait_until,
+)
+
+CKPT = EMBEDDED["stdlib-tiny"]
+KEY = "test-key-123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+ORIGIN = "http://allowed.example"
+pytestmark = pytest.mark.skipif(not (CKPT / "config.json").exists(), reason="no embedded checkpoint")
+
+
+@pytest.fixture(scope="module")
+def served() -> Any:
+    from melix_mlx.serve.provider import load_served_model
+
+    return load_served_model(None, 2, "force_on")
+
+
+@pytest.fixture(scope="module")
+def url(served: Any) -> Any:
+    from melix_mlx.serve.limits import ServeLimits
+
+    limits = ServeLimits(max_body_bytes=64 * 1024, max_prompt_tokens=256, max_tokens_limit=512)
+    with serving(served, max_batch_size=4, limits=limits) as running:
+        yield running.url
+
+
+@pytest.fixture(scope="module")
+def secured(served: Any) -> Any:
+    with serving(served, max_batch_size=2, api_key=KEY, allowed_origins=[ORIGIN]) as running:
+        yield running.url
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    return {"prompt": "The king of", "max_tokens": 4, "temperature": 0, **fields}
+
+
+# -- no request can crash the process ---------------------------------------------------------
+@pytest.mark.parametrize(
+    "bias",
+    [{"99999999": 5.0}, {"1024": 1.0}, {"-1": 1.0}, {"abc": 1.0}, {"1e3": 1.0}, {"5": "x"}, {"5": True},
+     {str(i): 1.0 for i in range(301)}, [1, 2]],
+)
+def test_bad_logit_bias_is_a_400_and_the_server_lives(url: str, bias: Any) -> None:
+    status, _, payload = post_json(url, "/v1/completions", completion(logit_bias=bias))
+    assert status == 400, payload
+    assert_error_shape(payload)
+    assert payload["error"]["param"] == "logit_bias"
+    assert healthy(url)
+
+
+def test_logit_bias_inside_the_vocabulary_acts(url: str) -> None:
+    plain = client(url).completions.create(model="stdlib-tiny", **completion())
+    forced = client(url).completions.create(model="stdlib-tiny", **completion(logit_bias={"1023": 100.0}))
+    assert forced.usage.completion_tokens == 4 and forced.choices[0].text != plain.choices[0].text
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"prompt": ""}, "prompt"),
+        ({"max_tokens": 513}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stop": [str(i) for i in range(17)]}, "stop"),
+        ({"stop": "x" * 257}, "stop"),
+        ({"top_logprobs": 12}, "top_logprobs"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"num_draft_tokens": 7}, "num_draft_tokens"),
+        ({"adapters": "/tmp/x"}, "adapters"),
+        ({"seed": -1}, "seed"),
+    ],
+)
+def test_bad_fields_are_400_naming_the_field(url: str, fields: dict, param: str) -> None:
+    body = json.dumps(completion(**fields), allow_nan=True).encode()
+    status, _, payload = raw(url, "POST", "/v1/completions", body)
+    payload = json.loads(payload)
+    assert status == 400, payload
+    assert_error_shape(payload)
+    assert payload["error"]["param"] == param
+
+
+def test_empty_messages_and_empty_chat_are_400(url: str) -> None:
+    for messages in ([], [{"content": "no role"}], [{"role": "user", "content": 5}]):
+        status, _, payload = post_json(url, "/v1/chat/completions", {"messages": messages})
+        assert status == 400 and payload["error"]["param"] == "messages", payload
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"{not json", b"\xff\xfe\xfd", b'{"prompt": "\xc3\x28"}', b"", b"[" * 100_000 + b"]" * 100_000],
+)
+def test_bad_bodies_are_400(url: str, body: bytes) -> None:
+    status, headers, payload = raw(url, "POST", "/v1/completions", body)
+    assert status in (400, 413), (status, payload)
+    assert headers["content-type"].startswith("application/json")
+    assert_error_shape(json.loads(payload))
+    assert healthy(url)
+
+
+def test_body_limit_is_413_even_when_announced_huge(url: str) -> None:
+    big = json.dumps(completion(prompt="a " * 40_000)).encode()
+    status, _, payload = raw(url, "POST", "/v1/completions", big)
+    assert status == 413 and json.loads(payload)["error"]["type"] == "invalid_request_error"
+    huge = {"Content-Length": "100000000000"}  # announced, never sent: refused before reading
+    status, _, payload = raw(url, "POST", "/v1/completions", b"{}", headers=huge)
+    assert status in (400, 413)
+
+
+def test_prompt_token_limit_is_a_400(url: str) -> None:
+    with pytest.raises(openai.BadRequestError, match="at most 256"):
+        client(url).completions.create(model="stdlib-tiny", **completion(prompt="the king " * 200))
+    assert healthy(url)
+
+
+def test_post_bodies_must_be_json(url: str) -> None:
+    body = json.dumps(completion()).encode()
+    for kind in ("text/plain", "application/x-www-form-urlencoded", ""):
+        status, _, payload = raw(url, "POST", "/v1/completions", body, headers={"Content-Type": kind})
+        assert status == 415, kind
+        assert_error_shape(json.loads(payload))
+
+
+def test_unknown_routes_and_methods_share_the_error_shape(url: str) -> None:
+    for method, path in (("GET", "/v1/nothing"), ("POST", "/v1/nothing"), ("DELETE", "/v1/completions")):
+        status, _, payload = raw(url, method, path, b"{}" if method != "GET" else None)
+        assert status in (404, 405)
+        assert_error_shape(json.loads(payload))
+        assert "/work" not in payload.decode() and str(CKPT) not in payload.decode()
+
+
+# -- privacy ---------------------------------------------------------------------------------
+def test_no_response_names_a_path_or_the_host(url: str) -> None:
+    import platform
+
+    bodies = [raw(url, "GET", p)[2] for p in ("/v1/models", "/v1/melix/receipt", "/openapi.json")]
+    bodies.append(raw(url, "POST", "/v1/completions", json.dumps(completion()).encode())[2])
+    bodies.append(raw(url, "POST", "/v1/completions", json.dumps(completion(model="/etc/x")).encode())[2])
+    for body in bodies:
+        text = body.decode()
+        assert str(CKPT.parent) not in text and platform.node() not in text and platform.release() not in text
+    answer = json.loads(bodies[3])
+    assert answer["model"] == "stdlib-tiny" and answer["system_fingerprint"].startswith("melix-fsm-")
+
+
+# -- auth and origins --------------------------------------------------------------------------
+def test_api_key_is_required_everywhere_but_health(secured: str) -> None:
+    assert healthy(secured)
+    for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/v1/melix/receipt"),
+                         ("GET", "/openapi.json"), ("POST", "/v1/completions")):
+        body = json.dumps(completion()).encode() if method == "POST" else None
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            status, got, payload = raw(secured, method, path, body, headers=headers)
+            assert status == 401 and got["www-authenticate"] == "Bearer", (path, headers)
+            assert json.loads(payload)["error"]["type"] == "authentication_error"
+        assert raw(secured, method, path, body, headers=AUTH)[0] == 200, path
+    with pytest.raises(openai.AuthenticationError):
+        client(secured).models.list()
+    answer = client(secured, KEY).completions.create(model="stdlib-tiny", **completion())
+    assert answer.usage.completion_tokens == 4
+
+
+def test_cors_only_for_allowed_origins(url: str, secured: str) -> None:
+    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    status, headers, _ = raw(secured, "OPTIONS", "/v1/completions", headers=preflight)
+    assert status == 200 and headers["access-control-allow-origin"] == ORIGIN
+    status, headers, _ = raw(secured, "OPTIONS", "/v1/completions", headers={**preflight, "Origin": "http://evil"})
+    assert status == 400 and "access-control-allow-origin" not in headers
+    _, headers, _ = raw(secured, "GET", "/v1/models", headers={**AUTH, "Origin": "http://evil"})
+    assert "access-control-allow-origin" not in headers
+    _, headers, _ = raw(secured, "GET", "/v1/models", headers={**AUTH, "Origin": ORIGIN})
+    assert headers["access-control-allow-origin"] == ORIGIN
+    _, headers, _ = raw(url, "GET", "/v1/models", headers={"Origin": ORIGIN})  # none configured: no CORS
+    assert not any(k.startswith("access-control-") for k in headers)
+
+
+# -- limits of load -------------------------------------------------------------------------------
+def test_a_full_queue_is_429_with_retry_after(served: Any) -> None:
+    from melix_mlx.serve.limits import ServeLimits
+
+    with serving(served, max_batch_size=1, limits=ServeLimits(max_queue=1)) as running:
+        streams = [client(running.url).completions.create(
+            model="stdlib-tiny", prompt=f"Once upon a time {i}", max_tokens=4000, stream=True)
+            for i in range(2)]
+        try:  # both were accepted (their 200 headers came): the row and the queue's one place
+            assert metric(running.url, "melix_requests_in_flight") == 2
+            status, headers, payload = post_json(running.url, "/v1/completions", completion())
+            assert status == 429 and int(headers["retry-after"]) >= 1
+            assert payload["error"]["type"] == "rate_limit_error"
+        finally:
+            for stream in streams:
+                stream.close()
+        assert wait_until(lambda: metric(running.url, "melix_requests_in_flight") == 0, timeout=30)
+        assert post_json(running.url, "/v1/completions", completion())[0] == 200
+        assert metric(running.url, "melix_requests_total{state=cancelled}") == 2
+
+
+def test_requests_are_counted_by_final_state(url: str) -> None:
+    before = metric(url, "melix_requests_total{state=finished}")
+    done = threading.Event()
+
+    def run() -> None:
+        client(url).completions.create(model="stdlib-tiny", **completion())
+        done.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(60)
+    assert done.is_set()
+    assert metric(url, "melix_requests_total{state=finished}") == before + 1
