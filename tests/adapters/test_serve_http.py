@@ -239,3 +239,11 @@ def test_requests_are_counted_by_final_state(url: str) -> None:
     thread.join(60)
     assert done.is_set()
     assert metric(url, "melix_requests_total{state=finished}") == before + 1
+
+
+def test_a_seeded_request_whose_prompt_is_fully_cached_is_answered(url: str) -> None:
+    """Found by the fuzz: mlx-lm's plain path failed on a prompt its cache held entirely."""
+    request = completion(prompt="0", seed=0)
+    first = client(url).completions.create(model="stdlib-tiny", **request)
+    again = client(url).completions.create(model="stdlib-tiny", **request)
+    assert again.choices[0].text == first.choices[0].text and again.usage.completion_tokens == 4

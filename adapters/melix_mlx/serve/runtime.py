@@ -23,6 +23,7 @@ Rules of this module:
   (`remove`) and given a progress response, so the loop forgets it.
 - Requests mlx-lm's server does not batch (a request with a seed) run on its plain
   single-sequence path without MTP; their usage says so (method "none" and the reason).
+  That path sees the prompt cache through `PartialHits` (a full hit leaves one token).
 - A request's context is bound to its batch uid when mlx-lm inserts it (the context is
   built just before, in the same generation thread). A finishing row writes its
   speculative usage into the context before mlx-lm queues its last response, so the
@@ -48,6 +49,7 @@ from queue import Queue
 from typing import Any
 
 from mlx_lm.generate import PromptProcessingBatch
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.server import GenerationContext, ResponseGenerator
 
 from melix_fsm import lifecycle as lc
@@ -116,6 +118,32 @@ class AsyncResponseQueue:
             self.cancelled.set()
             if self.ctx is not None:
                 self.ctx.stop()
+
+
+class PartialHits:
+    """The prompt cache as mlx-lm's plain path needs it: a hit leaves a token to feed.
+
+    mlx-lm's `_serve_single` fails on a prompt its cache holds entirely (nothing left to
+    prefill); the batched path gives the last token back (melix_mlx.batch_surface), and
+    so does this view: the (deep-copied) cache is trimmed by one, or not used."""
+
+    def __init__(self, shared: Any) -> None:
+        self.shared = shared
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.shared, name)
+
+    def __len__(self) -> int:
+        return len(self.shared)
+
+    def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
+        cache, rest = self.shared.fetch_nearest_cache(model, tokens)
+        if cache is None or len(rest) or not tokens:
+            return cache, rest
+        if not can_trim_prompt_cache(cache):
+            return None, tokens
+        trim_prompt_cache(cache, 1)
+        return cache, tokens[-1:]
 
 
 class ServingBatchGenerator(MTPBatchGenerator):
@@ -318,7 +346,12 @@ class ServingResponseGenerator(ResponseGenerator):
         self._loop(self)
 
     def _serve_single(self, request: Any, stream: Any) -> None:
-        self._single(self, request, stream)
+        shared = self.prompt_cache  # only the generation thread reads it: swapped for this call
+        self.prompt_cache = PartialHits(shared)
+        try:
+            self._single(self, request, stream)
+        finally:
+            self.prompt_cache = shared
 
     def _batched_context(self, **fields: Any) -> SpeculativeContext:
         ctx = SpeculativeContext(**fields)
