@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -247,3 +248,26 @@ def test_a_seeded_request_whose_prompt_is_fully_cached_is_answered(url: str) -> 
     first = client(url).completions.create(model="stdlib-tiny", **request)
     again = client(url).completions.create(model="stdlib-tiny", **request)
     assert again.choices[0].text == first.choices[0].text and again.usage.completion_tokens == 4
+
+
+def test_slow_heads_and_bodies_are_cut_off(served: Any) -> None:
+    """slowloris: a head or a body that drips in is refused at its deadline (1 s here)."""
+    import socket
+
+    from melix_mlx.serve.limits import ServeLimits
+    from serve_helpers import host_port
+
+    limits = ServeLimits(head_timeout_s=1.0, body_timeout_s=1.0)
+    with serving(served, max_batch_size=1, limits=limits) as running:
+        host, port = host_port(running.url)
+        with socket.create_connection((host, port), timeout=10) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # the head never ends
+            began = time.monotonic()
+            assert sock.recv(1024) == b""  # closed by the server
+            assert 0.5 < time.monotonic() - began < 8
+        with socket.create_connection((host, port), timeout=10) as sock:
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(head + b"Content-Length: 100\r\n\r\n{")  # the body never ends
+            reply = sock.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 408"), reply[:100]
+        assert healthy(running.url)

@@ -54,6 +54,8 @@ LIMIT_FLAGS = (
     ("--prefill-chunk-tokens", "prefill_chunk_tokens", int, "prompt tokens a request prefills per step"),
     ("--limit-concurrency", "limit_concurrency", int, "open connections (503 beyond)"),
     ("--timeout-keep-alive", "timeout_keep_alive_s", int, "seconds an idle connection stays open"),
+    ("--head-timeout", "head_timeout_s", float, "seconds a request's head may take to arrive"),
+    ("--body-timeout", "body_timeout_s", float, "seconds a request's body may take to arrive"),
 )
 
 

@@ -8,7 +8,8 @@ Rules of this module:
   in the foreground (the command) on the calling thread, with its signal handlers.
 - uvicorn's own limits are set from `ServeLimits`: a connection cap
   (`limit_concurrency`, 503 beyond), the keep-alive timeout, h11's cap on a request
-  head, a listen backlog of 2048, no server header.
+  head, a listen backlog of 2048, no server header; and a deadline on a request's head
+  (melix_mlx.serve.connections: uvicorn has none).
 - Drain (SIGTERM/SIGINT in the foreground, `drain()` otherwise): stop accepting, fail
   queued requests, let started ones finish up to the drain timeout, end the rest
   (melix_mlx.serve.admission); uvicorn then closes and returns. A signal is not
@@ -33,6 +34,7 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from ..prefill import vocabulary_size
 from .admission import Admission
+from .connections import HeadTimeoutProtocol
 from .limits import ServeLimits, resolve
 from .metrics import ServeMetrics
 from .privacy import served_name
@@ -155,8 +157,9 @@ def start_server(
                           num_draft_tokens=served.num_draft_tokens),
     )
     app = build_app(state, api_key=api_key, allowed_origins=allowed_origins)
+    protocol = type("Protocol", (HeadTimeoutProtocol,), {"head_timeout_s": limits.head_timeout_s})
     config = uvicorn.Config(
-        app, log_level="warning", access_log=False, server_header=False, date_header=True,
+        app, http=protocol, log_level="warning", access_log=False, server_header=False, date_header=True,
         limit_concurrency=limits.limit_concurrency, timeout_keep_alive=limits.timeout_keep_alive_s,
         h11_max_incomplete_event_size=limits.max_header_bytes, backlog=BACKLOG,
         timeout_graceful_shutdown=limits.drain_timeout_s + GRACE_S, lifespan="off",

@@ -30,6 +30,8 @@ class ServeLimits:
     limit_concurrency: int = 256  # open connections (uvicorn answers 503 beyond)
     timeout_keep_alive_s: int = 5  # an idle keep-alive connection is closed after this
     max_header_bytes: int = 16 * 1024  # h11's cap on a request's head
+    head_timeout_s: float = 10.0  # a request's head must arrive within this (slowloris)
+    body_timeout_s: float = 30.0  # and its body within this (408 beyond)
 
 
 def model_context(path: Path) -> int:
@@ -66,7 +68,7 @@ def check(limits: ServeLimits) -> list[str]:
     for name in ("max_logit_bias", "max_queue", "timeout_keep_alive_s"):
         if getattr(limits, name) < 0:
             problems.append(f"--{name.replace('_', '-')} must be >= 0")
-    for name in ("request_timeout_s", "drain_timeout_s"):
+    for name in ("request_timeout_s", "drain_timeout_s", "head_timeout_s", "body_timeout_s"):
         if not getattr(limits, name) > 0:
             problems.append(f"--{name.replace('_s', '').replace('_', '-')} must be > 0")
     if limits.max_prompt_tokens is not None and limits.max_prompt_tokens < 1:

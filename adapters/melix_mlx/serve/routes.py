@@ -5,7 +5,7 @@ Rules of this module:
   mlx-lm), streamed as server-sent events or not; GET /v1/models, /health,
   /v1/melix/receipt, /metrics; the OpenAPI schema at /openapi.json (no docs pages:
   they would load scripts from a CDN).
-- A POST is read within the body limit (413), decoded as UTF-8 JSON (400), checked
+- A POST is read within the body limit (413) and deadline (408), decoded as UTF-8 JSON (400), checked
   (melix_mlx.serve.protocol), admitted (melix_mlx.serve.admission: 429/503), then
   answered from its `Submission`. A prompt the generation thread refuses is a 400; a
   fault in the request's own decoding a 500 (non-streamed) or a final error event
@@ -56,17 +56,22 @@ class ServeState:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON, read within `limit` bytes (see the module rules)."""
+async def read_json(request: Request, limit: int, timeout_s: float) -> Any:
+    """The body as JSON, read within `limit` bytes and `timeout_s` (see the module rules)."""
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > limit):
         raise ApiError(413 if length.isdigit() else 400, f"the request body may be at most {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"the request body may be at most {limit} bytes")
-        chunks.append(chunk)
+    chunks: list[bytes] = []
+    try:
+        async with asyncio.timeout(timeout_s):
+            size = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"the request body may be at most {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s") from None
     try:
         return json.loads(b"".join(chunks).decode("utf-8"))
     except UnicodeDecodeError:
@@ -126,7 +131,7 @@ async def stream_events(state: ServeState, sub: Submission, asm: Assembler, watc
 
 
 async def complete(state: ServeState, request: Request, chat: bool) -> Response:
-    body = await read_json(request, state.limits.max_body_bytes)
+    body = await read_json(request, state.limits.max_body_bytes, state.limits.body_timeout_s)
     parsed: Parsed = parse(
         body, chat, limits=state.limits, vocab=state.vocab, names=state.names, defaults=state.defaults
     )
