@@ -271,3 +271,17 @@ def test_slow_heads_and_bodies_are_cut_off(served: Any) -> None:
             reply = sock.recv(4096)
             assert reply.startswith(b"HTTP/1.1 408"), reply[:100]
         assert healthy(running.url)
+
+
+def test_a_model_is_retrieved_by_its_served_name_only(url: str) -> None:
+    assert client(url).models.retrieve("stdlib-tiny").id == "stdlib-tiny"
+    with pytest.raises(openai.NotFoundError):
+        client(url).models.retrieve(str(CKPT))
+
+
+def test_fault_messages_lose_their_paths() -> None:
+    from melix_mlx.serve.privacy import redact
+
+    text = redact("OSError: cannot open /home/someone/models/x/model.safetensors (see /etc/hosts)")
+    assert text == "OSError: cannot open model.safetensors (see hosts)"
+    assert redact("http://host/a/b and ./rel/x") == "http://host/a/b and ./rel/x"

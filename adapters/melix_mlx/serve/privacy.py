@@ -8,11 +8,18 @@ version, not the kernel or libc.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from melix_fsm import __version__ as VERSION
 
 FINGERPRINT = f"melix-fsm-{VERSION}"
+_PATH = re.compile(r"(?<![\w.:/])/(?:[\w.+-]+/)+([\w.+-]+)")  # an absolute path of 2+ parts
+
+
+def redact(text: str) -> str:
+    """`text` (an exception's message) with every absolute path reduced to its base name."""
+    return _PATH.sub(lambda m: m.group(1), text)
 
 
 def served_name(path: Any, given: str | None = None) -> str:

@@ -35,7 +35,7 @@ from .completion import Assembler
 from .errors import ApiError, error_body, install_handlers
 from .limits import ServeLimits
 from .metrics import CONTENT_TYPE
-from .privacy import FINGERPRINT, scrub
+from .privacy import FINGERPRINT, redact, scrub
 from .protocol import Defaults, Parsed, parse
 from .schemas import chat_body, completion_body
 from .session import Aborted, Submission, is_bad_input
@@ -87,7 +87,7 @@ def aborted_error(exc: Aborted) -> ApiError:
 
 
 def fault_error(exc: BaseException) -> ApiError:
-    return ApiError(500, f"{type(exc).__name__}: {exc}", code="request_failed")
+    return ApiError(500, redact(f"{type(exc).__name__}: {exc}"), code="request_failed")
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -146,7 +146,7 @@ async def complete(state: ServeState, request: Request, chat: bool) -> Response:
             raise aborted_error(exc) from None
         except Exception as exc:
             if is_bad_input(exc):
-                raise ApiError(400, str(exc), code="invalid_prompt") from None
+                raise ApiError(400, redact(str(exc)), code="invalid_prompt") from None
             raise fault_error(exc) from None
         asm = Assembler(parsed, ctx, FINGERPRINT)
         if parsed.stream:
@@ -199,6 +199,13 @@ def build_app(
     async def models() -> dict[str, Any]:
         card = {"object": "model", "created": state.created, "owned_by": "melix-fsm"}
         return {"object": "list", "data": [{"id": name, **card} for name in state.names]}
+
+    @app.get("/v1/models/{model_id:path}", tags=["openai"])
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id not in state.names:
+            raise ApiError(404, f"model {model_id[:100]!r} is not served here", param="model",
+                           code="model_not_found")
+        return {"id": model_id, "object": "model", "created": state.created, "owned_by": "melix-fsm"}
 
     @app.get("/health")
     async def health() -> JSONResponse:
