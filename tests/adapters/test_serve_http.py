@@ -285,3 +285,23 @@ def test_fault_messages_lose_their_paths() -> None:
     text = redact("OSError: cannot open /home/someone/models/x/model.safetensors (see /etc/hosts)")
     assert text == "OSError: cannot open model.safetensors (see hosts)"
     assert redact("http://host/a/b and ./rel/x") == "http://host/a/b and ./rel/x"
+
+
+def test_the_connection_cap_answers_503_in_the_one_shape(served: Any) -> None:
+    import socket
+
+    from melix_mlx.serve.limits import ServeLimits
+    from serve_helpers import host_port
+
+    with serving(served, max_batch_size=1, limits=ServeLimits(limit_concurrency=2)) as running:
+        host, port = host_port(running.url)
+        idle = [socket.create_connection((host, port), timeout=10) for _ in range(2)]
+        try:
+            time.sleep(0.2)  # the server has taken both connections
+            status, headers, payload = raw(running.url, "GET", "/v1/models")
+            assert status == 503 and headers["retry-after"] == "1"
+            assert json.loads(payload)["error"]["code"] == "over_capacity"
+        finally:
+            for sock in idle:
+                sock.close()
+        assert wait_until(lambda: raw(running.url, "GET", "/v1/models")[0] == 200, timeout=20)

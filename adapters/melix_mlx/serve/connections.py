@@ -1,21 +1,51 @@
-"""uvicorn's h11 protocol with a deadline on a request's head (slowloris).
+"""uvicorn's h11 protocol with a deadline on a request's head and a JSON connection cap.
 
-Rules: uvicorn closes idle keep-alive connections (`timeout_keep_alive`) but waits for a
-request head forever. Here a connection must deliver a complete head within
-`head_timeout_s` of its first byte (of the connection, or after its previous response),
-or it is closed. The body has its own deadline in the route (melix_mlx.serve.routes).
+Rules:
+- uvicorn closes idle keep-alive connections (`timeout_keep_alive`) but waits for a
+  request head forever. Here a connection must deliver a complete head within
+  `head_timeout_s` of its first byte (of the connection, or after its previous
+  response), or it is closed. The body has its own deadline in the route.
+- uvicorn's `limit_concurrency` answers a text/plain 503; the same cap (open connections
+  or running requests) is checked here instead and answered with the one error shape
+  (melix_mlx.serve.errors), `Retry-After` and `Connection: close`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .errors import error_body
+
+OVER_CAPACITY = json.dumps(error_body(503, "too many connections; retry later", code="over_capacity"))
+
+
+async def over_capacity(send: Any) -> None:
+    body = OVER_CAPACITY.encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"retry-after", b"1"), (b"connection", b"close")]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
 
 class HeadTimeoutProtocol(H11Protocol):
     head_timeout_s: float = 10.0  # set per server (melix_mlx.serve.app)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cap, self.limit_concurrency = self.limit_concurrency, None  # checked in `_capped`
+        self._inner_app = self.app
+        self.app = self._capped
+
+    async def _capped(self, scope: Any, receive: Any, send: Any) -> None:
+        # uvicorn counted before adding this request's task; here it is already counted
+        if self.cap is not None and (len(self.connections) >= self.cap or len(self.tasks) > self.cap):
+            await over_capacity(send)
+            return
+        await self._inner_app(scope, receive, send)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
