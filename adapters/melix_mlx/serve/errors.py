@@ -17,6 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from melix_fsm.errors import MelixError
+
 TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -32,7 +34,7 @@ TYPES = {
 }
 
 
-class ApiError(Exception):
+class ApiError(MelixError):
     """A refusal with its HTTP status, rendered as the OpenAI error object."""
 
     def __init__(

@@ -53,6 +53,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.server import GenerationContext, ResponseGenerator
 
 from melix_fsm import lifecycle as lc
+from melix_fsm.errors import MelixError
 from melix_fsm.lifecycle import Signal
 
 from ..batch_generator import MTPBatchGenerator
@@ -60,11 +61,11 @@ from .chunks import split_segments
 from .usage import PLAIN_PATH_REASON, speculative_usage
 
 
-class PromptRejected(ValueError):
+class PromptRejected(MelixError, ValueError):
     """The tokenized prompt is empty or longer than the server's limit (a 400)."""
 
 
-class RequestCancelled(Exception):
+class RequestCancelled(MelixError):
     """The request was cancelled before the generation thread started it."""
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from mlx_lm.server import Response
 
+from melix_fsm.errors import MelixError
 from melix_fsm.request import RequestEvent, RequestState, new_request
 
 from .protocol import Parsed
@@ -33,7 +34,7 @@ from .runtime import AsyncResponseQueue, PromptRejected, RequestCancelled, Specu
 FAULT_TYPES = (ValueError, TypeError, KeyError, IndexError)  # bad input found while tokenizing
 
 
-class Aborted(Exception):
+class Aborted(MelixError):
     """The server ended the request (`event`): its client, its deadline or a drain."""
 
     def __init__(self, event: RequestEvent, reason: str) -> None:
