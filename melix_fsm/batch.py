@@ -17,6 +17,7 @@ Rules of this module:
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -43,9 +44,31 @@ Uid = Hashable
 Events = Mapping[Uid, Signal | Sequence[Signal]]
 
 BATCH_SPEC = load_batch(SPEC)
+
+
+class Operation(enum.StrEnum):
+    """The batch operations (spec/batch.toml [operations]), checked against the spec at import."""
+
+    extend = "extend"
+    filter = "filter"
+    step = "step"
+    resolve = "resolve"
+    suspend = "suspend"
+    resume = "resume"
+    finish = "finish"
+    fault = "fault"
+
+
+if [o.value for o in Operation] != list(BATCH_SPEC.operations):
+    raise RuntimeError(
+        f"batch operations differ from spec/batch.toml: code {[o.value for o in Operation]}, "
+        f"spec {list(BATCH_SPEC.operations)}"
+    )
+
 # Which lifecycle events each batch operation may carry (spec/batch.toml), enforced by `apply`.
 OPERATION_EVENTS: dict[str, frozenset[Event]] = {
-    name: frozenset(Event(e) for e in op.lifecycle_events) for name, op in BATCH_SPEC.operations.items()
+    Operation(name): frozenset(Event(e) for e in op.lifecycle_events)
+    for name, op in BATCH_SPEC.operations.items()
 }
 
 

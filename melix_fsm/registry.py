@@ -21,7 +21,7 @@ import msgspec
 
 from .errors import SpecError
 from .reasons import RefusalReason
-from .spec import _read_toml, spec_dir
+from .spec import read_toml, spec_dir
 
 
 class Support(enum.StrEnum):
@@ -293,8 +293,8 @@ def load_registry(families_path: Path | None = None, rollback_path: Path | None 
     """Load and check both spec files; raise SpecError naming the first problem."""
     rollback_path = rollback_path or spec_dir() / "rollback.toml"
     families_path = families_path or spec_dir() / "families.toml"
-    _, kinds, strategies, cells, unmergeable = parse_rollback(_read_toml(rollback_path), str(rollback_path))
-    _, families, model_types, sidecar = parse_families(_read_toml(families_path), kinds, str(families_path))
+    _, kinds, strategies, cells, unmergeable = parse_rollback(read_toml(rollback_path), str(rollback_path))
+    _, families, model_types, sidecar = parse_families(read_toml(families_path), kinds, str(families_path))
     return Registry(families, model_types, sidecar, kinds, strategies, cells, unmergeable)
 
 

@@ -100,7 +100,7 @@ def spec_dir() -> Path:
     raise SpecError(str(here), "spec directory", "neither melix_fsm/_spec nor spec/ exists")
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
+def read_toml(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -303,7 +303,7 @@ def parse_batch(data: dict[str, Any], lifecycle: LifecycleSpec, path: str = "<ba
 
 def load_lifecycle(path: Path | None = None) -> MachineSpec:
     path = path or spec_dir() / "lifecycle.toml"
-    return parse_machine(_read_toml(path), str(path))
+    return parse_machine(read_toml(path), str(path))
 
 
 def load_machine(name: str, path: Path | None = None) -> MachineSpec:
@@ -311,9 +311,9 @@ def load_machine(name: str, path: Path | None = None) -> MachineSpec:
     if path is None and name not in MACHINES:
         raise SpecError(name, "machine", f"is not one of the specified machines {list(MACHINES)}")
     path = path or spec_dir() / f"{name}.toml"
-    return parse_machine(_read_toml(path), str(path))
+    return parse_machine(read_toml(path), str(path))
 
 
 def load_batch(lifecycle: LifecycleSpec, path: Path | None = None) -> BatchSpec:
     path = path or spec_dir() / "batch.toml"
-    return parse_batch(_read_toml(path), lifecycle, str(path))
+    return parse_batch(read_toml(path), lifecycle, str(path))

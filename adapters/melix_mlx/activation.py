@@ -55,6 +55,17 @@ class Activation:
         return self.controller.k
 
 
+def draft_budget(config: SpeculativeConfig, controller: LiveController | None) -> int:
+    """The drafts a decoder builds its rows for: the deepest k the controller may choose
+    (its depth's `max_k`: the fixed k, or auto's ceiling), else the configured k (1 for
+    auto without a controller, which then never speculates). The one place `auto` turns
+    into a number for the decoders."""
+    if controller is not None:
+        return controller.depth.max_k
+    k = config.num_draft_tokens
+    return 1 if k == AUTO_DEPTH else int(k)
+
+
 def evaluate(
     model: nn.Module,
     head: Any,

@@ -67,25 +67,18 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from melix_fsm import lifecycle as lc
-from melix_fsm.batch import Batch, Row
+from melix_fsm.batch import Batch, Operation, Row
 from melix_fsm.lifecycle import Signal, State
 from melix_fsm.policy.controller import LiveController
 from melix_fsm.reasons import RefusalReason, reason_of, refusal_text
 from melix_fsm.report import RowReport, StepReport
 
-from . import head_receipt, ragged_kv, rollback
+from . import head_receipt, ragged_kv, rollback, step_rules
 from .batch_prompts import MAX_PADDING, PreparedRow, join_groups, joins_fresh, prepare_row, prepare_rows
 from .batch_rows import InsertRequest, MTPResponse, RowState
 from .batch_surface import BatchSurface
-from .engine import (
-    CycleEngine,
-    Flight,
-    PlainStep,
-    RowPlan,
-    Settled,
-    SpeculativeFault,
-    run_ahead_default,
-)
+from .engine import CycleEngine, run_ahead_default
+from .engine_records import Flight, PlainStep, RowPlan, Settled, SpeculativeFault
 from .prefill import check_prompt
 
 OBJECTIVES = ("auto", "throughput", "drain")  # what a step is worth to the live policy
@@ -159,9 +152,8 @@ class MTPBatchGenerator(BatchSurface):
         self._joined: list[Any] = []
         self._left: list[Any] = []
         self._first_logprobs: dict[int, mx.array] = {}
-        self._ahead: Flight | PlainStep | None = None  # the next step, launched before it was due
-        self._ahead_plans: list[RowPlan] = []  # its plans
-        self._ahead_uids: list[Any] = []  # the rows it was launched for
+        # the next step, launched before it was due (it carries its plans and rows' uids)
+        self._ahead: Flight | PlainStep | None = None
         self._ahead_fault: tuple[SpeculativeFault, list[tuple[Any, int]]] | None = None
         self._last_step_end: float | None = None
         self._admitted_since = False
@@ -276,7 +268,7 @@ class MTPBatchGenerator(BatchSurface):
         leaving = [uid for uid in self.batch.uids if uid in wanted]
         if leaving:
             removed = Signal(event=lc.FINISH.event, reason="removed")
-            self._apply_signals("finish", {uid: removed for uid in leaving})
+            self._apply_signals(Operation.finish, {uid: removed for uid in leaving})
             self._filter([i for i, uid in enumerate(self.batch.uids) if uid not in wanted])
         return caches
 
@@ -376,7 +368,7 @@ class MTPBatchGenerator(BatchSurface):
             return  # a cycle waits for the next call (measured no gain on a CPU: BENCHMARKS.md)
         step = self._launch(rows, plans)
         if step is not None:
-            self._keep_ahead(step, rows, plans)
+            self._keep_ahead(step)
 
     def _admission_due(self) -> bool:
         """A queued request has a free row to join at the end of this call."""
@@ -386,16 +378,18 @@ class MTPBatchGenerator(BatchSurface):
         """Launch step n + 1 before step n settles. A fault while building it is recorded
         once step n's events are (`_fault_ahead`): the lifecycle sees steps in order."""
         try:
-            step = self.engine.launch(plans) if any(p.k for p in plans) else self.engine.plain(plans)
+            uids = [row.uid for row in rows]
+            launch = self.engine.launch if any(p.k for p in plans) else self.engine.plain
+            step = launch(plans, uids)
         except SpeculativeFault as fault:
             self._ahead_fault = (fault, [(row.uid, p.k) for row, p in zip(rows, plans) if p.k > 0])
             return
-        self._keep_ahead(step, rows, plans)
+        self._keep_ahead(step)
 
-    def _keep_ahead(self, step: Flight | PlainStep, rows: tuple[Row, ...], plans: list[RowPlan]) -> None:
+    def _keep_ahead(self, step: Flight | PlainStep) -> None:
         if isinstance(step, PlainStep):
             mx.async_eval(step.tokens)
-        self._ahead, self._ahead_plans, self._ahead_uids = step, plans, [row.uid for row in rows]
+        self._ahead = step
 
     def _fault_ahead(self) -> None:
         """Record a fault met while launching a step ahead, for the rows still here."""
@@ -417,14 +411,9 @@ class MTPBatchGenerator(BatchSurface):
             return
         rows = self.batch.rows
         fresh = self._plans(rows, [row.payload for row in rows]) if rows else []
-        same_rows = [row.uid for row in rows] == self._ahead_uids
-        resuming = [self._resuming(row) for row in rows]
-        pairs = list(zip(fresh, self._ahead_plans, resuming))
-        # a plain step of a row resuming after it is kept (`_reconcile`)
-        if same_rows and all(
-            (then.k == 0 and waits) or ((now.k > 0) == (then.k > 0) and then.k <= now.k)
-            for now, then, waits in pairs
-        ):
+        same_rows = [row.uid for row in rows] == step.uids
+        resuming = [self._resuming(row) for row in rows]  # their plain step is kept (`_reconcile`)
+        if same_rows and step_rules.ahead_fits([p.k for p in step.plans], [p.k for p in fresh], resuming):
             return
         self.engine.abandon(step)
         self._ahead = None
@@ -447,26 +436,14 @@ class MTPBatchGenerator(BatchSurface):
         remaining: the longest budget left in a draining batch (None: rows are refilled)."""
         if self.controller is None:
             return
-        accepted = proposed = 0
-        positions: list[int] = []
-        for signals in self._events.values():
-            for signal in signals:
-                if signal.event is lc.Event("draft"):
-                    proposed += signal.drafts
-                    positions.extend([0] * (signal.drafts - len(positions)))
-                elif signal.event is lc.Event("verified"):
-                    accepted += signal.accepted
-                    for j in range(signal.accepted):
-                        positions[j] += 1
-        self.controller.update(
+        step_rules.feed(
+            self.controller,
             size,
-            accepted,
-            proposed,
+            self._events.values(),
             seconds=seconds,
             tokens=tokens,
-            accepted_per_position=positions or None,
-            exclude=exclude,
             remaining=remaining,
+            exclude=exclude,
         )
         self._reconcile()
 
@@ -479,26 +456,21 @@ class MTPBatchGenerator(BatchSurface):
         if self.controller is None:
             return
         rows = self.batch.rows if rows is None else rows
-        events = self.controller.events
-        if self.controller.speculating:
-            uids = [r.uid for r in rows if self._resuming(r)]
-            if isinstance(self._ahead, PlainStep):
-                # a plain step launched ahead belongs to the suspended window it was launched
-                # in: its rows settle it as a plain step and resume after it (their next step
-                # is planned as a cycle meanwhile), so the switch undoes nothing
-                uids = [uid for uid in uids if uid not in self._ahead_uids]
-            signal = Signal(event=lc.RESUME.event, reason=str(events[-1].reason) if events else "speculating")
-        else:
-            uids = [r.uid for r in rows if r.state in lc.CYCLE_READY]
-            signal = Signal(event=lc.SUSPEND.event, reason=str(events[-1].reason) if events else "suspended")
-        if uids:
-            self._apply_signals(signal.event.value, {uid: signal for uid in uids})
+        # a plain step launched ahead belongs to the suspended window it was launched in: its
+        # rows settle it as a plain step and resume after it (their next step is planned as
+        # a cycle meanwhile), so the switch undoes nothing
+        ahead = set(self._ahead.uids) if isinstance(self._ahead, PlainStep) else set()
+        signal, picked = step_rules.steer(
+            self.controller, [r.state for r in rows], [r.uid in ahead for r in rows]
+        )
+        if picked:
+            self._apply_signals(Operation(signal.event.value), {rows[i].uid: signal for i in picked})
 
     def _resuming(self, row: Row) -> bool:
         """A suspended row the controller speculates for again: it resumes at the next
         `_reconcile` with no plain step of it running ahead."""
         speculating = self.controller is not None and self.controller.speculating
-        return speculating and row.state is State("suspended") and row.payload.refusal is None
+        return speculating and row.state is State.suspended and row.payload.refusal is None
 
     def next_generated(self) -> list[MTPResponse]:
         while True:
@@ -524,7 +496,7 @@ class MTPBatchGenerator(BatchSurface):
             resolution = (
                 lc.ADMIT if row.refusal is None else Signal(event=lc.REFUSE.event, reason=row.refusal)
             )
-            self._apply_signals("resolve", {request.uid: resolution}, joining)
+            self._apply_signals(Operation.resolve, {request.uid: resolution}, joining)
             self._joined.append(request.uid)
             caches.append(prepared.cache)
             head_caches.append(prepared.head_cache)
@@ -604,7 +576,7 @@ class MTPBatchGenerator(BatchSurface):
                 remaining = state.max_tokens - state.num_generated
                 if before is not None:  # the fewest that can remain after the step in flight
                     remaining -= before[i].k + 1
-                k = max(1, min(depth or state.k, state.k, remaining - 1))
+                k = step_rules.cycle_depth(min(depth or state.k, state.k), remaining)
             sampler = None if state.sampler is greedy_sampler else state.sampler
             history = state.history.upto() if state.history is not None else None
             # `remaining` caps the drafts a row ending in this cycle keeps (RowPlan.keep)
@@ -614,7 +586,8 @@ class MTPBatchGenerator(BatchSurface):
     def _step(self) -> list[MTPResponse]:
         rows = self.batch.rows
         states: list[RowState] = [row.payload for row in rows]
-        step, plans = self._ahead, self._ahead_plans  # launched at the end of the previous call?
+        step = self._ahead  # launched at the end of the previous call?
+        plans = step.plans if step is not None else []
         self._ahead = None
         if step is None:
             self._reconcile()  # nothing runs ahead now: a resume put off for a plain step applies
@@ -644,10 +617,11 @@ class MTPBatchGenerator(BatchSurface):
 
     def _launch(self, rows: tuple[Row, ...], plans: list[RowPlan]) -> Flight | PlainStep | None:
         """Launch this step; None when its cycle faulted while building (rows faulted)."""
+        uids = [row.uid for row in rows]
         if not any(p.k for p in plans):
-            return self.engine.plain(plans)
+            return self.engine.plain(plans, uids)
         try:
-            return self.engine.launch(plans)
+            return self.engine.launch(plans, uids)
         except SpeculativeFault as fault:  # the rows continue plainly; no token was emitted
             spec = [i for i, p in enumerate(plans) if p.k > 0]
             self._fault_rows([rows[i].uid for i in spec], [plans[i].k for i in spec], fault)
@@ -668,28 +642,21 @@ class MTPBatchGenerator(BatchSurface):
         if any(s.max_tokens - s.num_generated <= p.k + 1 for s, p in zip(states, plans)):
             return None
         cycle = any(p.k for p in plans)
-        if cycle and not (self.run_ahead and self.engine.may_run_ahead()):
+        if not step_rules.may_build_on(cycle, self.run_ahead, self.engine):
             return None  # checked before the plans are built: every CPU cycle passes here
         following = self._plans(self.batch.rows, states, before=plans)
-        plain_due = getattr(self.controller, "plain_due", False)  # a cycle would be undone
-        if any(p.k for p in following) and (not self.run_ahead or plain_due):
-            return None
+        cycle_ahead = any(p.k for p in following)
+        if cycle_ahead and not step_rules.may_launch_cycle_ahead(self.run_ahead, self.controller):
+            return None  # a cycle the schedule's switch to plain would undo, or no run-ahead
         return following
 
     def _conclude(
         self, rows: tuple[Row, ...], states: list[RowState], plans: list[RowPlan], settled: Settled
     ) -> list[MTPResponse]:
-        """Lifecycle events for the step, then emission."""
-        drafted = {rows[i].uid: lc.draft(p.k) for i, p in enumerate(plans) if p.k > 0}
-        if drafted:
-            self._apply_signals("step", drafted)
-            self._apply_signals("step", {uid: lc.VERIFY for uid in drafted})
+        """Lifecycle events for the step (one atomic batch step), then emission."""
         self._apply_signals(
-            "step",
-            {
-                row.uid: lc.verified(settled.accepted[i]) if plans[i].k > 0 else lc.PLAIN_STEP
-                for i, row in enumerate(rows)
-            }
+            Operation.step,
+            {row.uid: step_rules.step_signals(plans[i].k, settled.accepted[i]) for i, row in enumerate(rows)},
         )
         out: list[MTPResponse] = []
         finished = []
@@ -709,12 +676,15 @@ class MTPBatchGenerator(BatchSurface):
             self._finish(finished, out)
         return out
 
-    def _apply_signals(self, operation: str, signals: dict[Any, Signal], batch: Batch | None = None) -> None:
+    def _apply_signals(
+        self, operation: Operation, signals: dict[Any, Signal | list[Signal]], batch: Batch | None = None
+    ) -> None:
         """The one funnel for every lifecycle event: the batch operation (atomic, and only
         the events spec/batch.toml lists for it), then the report."""
         (self.batch if batch is None else batch).apply(operation, signals)
-        for uid, signal in signals.items():
-            self._record(uid, signal)
+        for uid, sent in signals.items():
+            for signal in [sent] if isinstance(sent, Signal) else sent:
+                self._record(uid, signal)
 
     # -- emission, faults, reshaping -------------------------------------------------
     def _emit(
@@ -730,11 +700,11 @@ class MTPBatchGenerator(BatchSurface):
 
     def _fault_rows(self, uids: list[Any], ks: list[int], fault: SpeculativeFault) -> None:
         message = str(fault)
-        if fault.drafted:  # the drafts existed: record them, then discard them with the fault
-            self._apply_signals("step", {uid: lc.draft(k) for uid, k in zip(uids, ks)})
-            self._apply_signals("step", {uid: lc.VERIFY for uid in uids})
-        signal = Signal(event=lc.FAULT.event, reason=message)
-        self._apply_signals("fault", {uid: signal for uid in uids})
+        outcome = {uid: step_rules.fault_signals(k, fault.drafted, message) for uid, k in zip(uids, ks)}
+        recorded = {uid: before for uid, (before, _) in outcome.items() if before}
+        if recorded:  # the drafts existed: record them, then discard them with the fault
+            self._apply_signals(Operation.step, recorded)
+        self._apply_signals(Operation.fault, {uid: signal for uid, (_, signal) in outcome.items()})
         faulted = set(uids)
         for uid in uids:
             self.batch.row(uid).payload.fault = message
@@ -749,7 +719,7 @@ class MTPBatchGenerator(BatchSurface):
         for i, row in enumerate(self.batch):
             if row.uid in done:
                 by_uid[row.uid] = ([c.extract(i) for c in self.cache], list(row.payload.context))
-        self._apply_signals("finish", {uid: lc.FINISH for uid in uids})
+        self._apply_signals(Operation.finish, {uid: lc.FINISH for uid in uids})
         for uid in uids:
             self._retired_counters[uid] = self.batch.row(uid).counters
         self._left.extend(uids)
@@ -776,8 +746,6 @@ class MTPBatchGenerator(BatchSurface):
         else:
             engine.cache, engine.head_cache = [], []
         engine.filter(keep)  # a plain step running ahead keeps the surviving rows
-        if self._ahead is not None:
+        if self._ahead is not None:  # the narrowed step carries the kept rows' plans and uids
             self._ahead = engine.in_flight[0] if keep else None
-            self._ahead_plans = [self._ahead_plans[i] for i in keep]
-            self._ahead_uids = [self._ahead_uids[i] for i in keep]
         self.batch.filter(keep)

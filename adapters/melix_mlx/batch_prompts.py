@@ -29,9 +29,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from melix_fsm.reasons import RefusalReason, refusal_text
 
 from .batch_rows import InsertRequest, RowState
-from .engine import CycleEngine, RowHead
+from .engine import CycleEngine
+from .engine_records import RowHead
 from .prefill import prefill_together, prefill_with_hidden
-from .sampling import normalize_logits, params_of
+from .sampling import UNKNOWN_SAMPLER, normalize_logits, params_of
 from .token_history import TokenHistory
 
 
@@ -157,8 +158,7 @@ def _ready(
     logprobs = first_logprobs(state, logits)
     state.y = int(engine.agreed(state.sampler(logprobs)).item())  # rank 0's under a group
     if refusal is None and state.params is None:
-        why = "unknown sampler: its distribution cannot be verified"
-        refusal = refusal_text(RefusalReason.unsupported_sampler, why)
+        refusal = refusal_text(RefusalReason.unsupported_sampler, UNKNOWN_SAMPLER)
     state.refusal = refusal
     head_cache = head.make_cache() if head is not None else []
     row_head = RowHead()

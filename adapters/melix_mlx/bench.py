@@ -52,7 +52,6 @@ Rules of this module:
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
@@ -560,6 +559,7 @@ def run(
     draft_model = mlx_load(str(draft_dir))[0] if draft_dir is not None else None
     cells = len(batch_sizes) * len(ks) * len(temps) + len(ks) * len(temps) * (2 if draft_model else 1)
     bar = _progress_bar(cells * repeats, show_progress)
+    bar.note("loading the model")
     bench = Bench.open(
         model_dir,
         draft_model=draft_model,
@@ -571,6 +571,7 @@ def run(
         aa_control=aa_control,
     )
     started = time.perf_counter()
+    bar.note("calibrating")
     calibration = bench.calibrate(batch_sizes, ks)
     results: dict[str, Any] = {
         "schema": "melix-fsm/bench/2",
@@ -605,6 +606,7 @@ def run(
 
 
 def _progress_bar(total: int, show: bool) -> Any:
-    from tqdm import tqdm
+    # a tqdm bar on a terminal, a few plain lines in a log (no carriage-return spam)
+    from melix_fsm.commands.progress import Progress
 
-    return tqdm(total=total, desc="bench runs", unit="run", disable=not show, file=sys.stderr)
+    return Progress(total, "bench runs", enabled=show)

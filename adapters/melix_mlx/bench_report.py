@@ -3,6 +3,12 @@
 Rules of this module:
 - Input is the plain data `melix_mlx.bench.run` returns (or its JSON file); nothing here
   measures. matplotlib is imported only when a plot is asked for (optional `bench` extra).
+- Each cell says in place when its speedup cannot be trusted (its `check` column): the
+  speedup lies inside the cell's own A/A range (mlx-lm against itself: the run's noise),
+  an A/A ratio is off 1 by more than NOISY_AA (the machine moved by itself), or the calibration
+  at the cell's k was poisoned (competing load during the run). A warning line under the
+  table counts them. The results data (JSON) is unchanged: this is rendering only.
+- The text table's headers are single words, explained by the legend under it.
 - The plot shows, per temperature, the speedup of MTP over mlx-lm's BatchGenerator against
   batch size, one solid line per k, and the ideal from the same run's timings dashed in
   the same colour; y = 1 is drawn so "pays / does not pay" reads at a glance.
@@ -10,8 +16,22 @@ Rules of this module:
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
+
+NOISY_AA = 0.2  # an A/A ratio further than this from 1: the machine moved mlx-lm's rate by itself
+
+LEGEND = (
+    "speedup: MTP tok/s over mlx-lm's (median of repeats); range: min-max over repeats; "
+    "A/A: mlx-lm over itself (the run's noise); check: ok, or why the speedup is not trustworthy "
+    "(noise: inside A/A; noisy: an A/A ratio off 1 by more than {noisy:g}; "
+    "poisoned: calibration at this k poisoned); "
+    "ideal: the cost model's speedup from this run's timings; of-ideal: speedup / ideal; "
+    "fill: busy rows per verify / B; accept: draft acceptance; auto/plain, auto/best: the auto "
+    "policy over plain decoding and over the better of plain and always-on; auto-k/plain: auto "
+    "depth over plain; prompt: prompt-phase tok/s over mlx-lm's; cycle-ms: verify + head + not overlapped"
+)
 
 
 def _fmt(value: Any, spec: str = ".2f") -> str:
@@ -39,6 +59,54 @@ def _breakdown(c: dict[str, Any]) -> str:
     )
 
 
+def _poisoned_ks(results: dict[str, Any]) -> set[int]:
+    """The k values whose calibration was poisoned (competing load: every ratio is suspect)."""
+    return {
+        int(k)
+        for k, entry in results.get("calibration", {}).items()
+        if isinstance(entry, dict) and entry.get("error") == "measurement_poisoned"
+    }
+
+
+def doubts(c: dict[str, Any], poisoned_ks: set[int]) -> list[str]:
+    """Why this cell's speedup cannot be trusted (empty: nothing known against it)."""
+    out = []
+    aa = c.get("aa_ratios") or []
+    if aa and min(aa) <= c["ratio"] <= max(aa):
+        out.append("noise")
+    if aa and max(abs(r - 1) for r in aa) > NOISY_AA:
+        out.append("noisy")
+    if c["k"] in poisoned_ks:
+        out.append("poisoned")
+    return out
+
+
+def _check(c: dict[str, Any], poisoned_ks: set[int]) -> str:
+    found = doubts(c, poisoned_ks)
+    return ",".join(found) if found else ("ok" if c.get("aa_ratios") or poisoned_ks else "-")
+
+
+def _warning(results: dict[str, Any]) -> str | None:
+    poisoned = _poisoned_ks(results)
+    cells = results["cells"]
+    flagged = [c for c in cells if doubts(c, poisoned)]
+    if not flagged:
+        return None
+    return (
+        f"warning: {len(flagged)} of {len(cells)} speedups are not trustworthy (check column): "
+        "run again on an idle machine, or with more --repeats"
+    )
+
+
+def _columns(rows: list[list[str]]) -> list[str]:
+    """Rows padded into columns (the first left-aligned, numbers right-aligned)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        " ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
+
+
 def _batching(results: dict[str, Any]) -> str:
     n = results.get("requests_per_slot", 1)
     if n == 1:
@@ -61,29 +129,41 @@ def table(results: dict[str, Any]) -> str:
             f"workload {w['workload']:10} k={w['k']} acceptance {_fmt(w['acceptance_rate'])} per position "
             + " ".join(f"{p:.2f}" for p in w["per_position_acceptance"])
         )
-    lines.append(
-        f"{'path':6} {'B':>2} {'k':>2} {'T':>4} {'tok/s':>7} {'base':>7} {'ratio':>6} {'spread':>9} "
-        f"{'a/a':>9} {'ideal':>6} {'eff':>5} {'fill':>5} {'acc':>5} {'auto':>5} {'a/best':>6} "
-        f"{'adepth':>6} {'prompt':>6}  cycle ms"
-    )
+    header = [
+        "path", "B", "k", "temp", "MTP-tok/s", "mlx-lm-tok/s", "speedup", "range", "A/A", "check",
+        "ideal", "of-ideal", "fill", "accept", "auto/plain", "auto/best", "auto-k/plain", "prompt",
+    ]  # fmt: skip
+    poisoned = _poisoned_ks(results)
+    rows, tails = [header], ["cycle-ms"]
     for c in results["cells"]:
-        lines.append(
-            f"{c['path']:6} {c['batch_size']:>2} {c['k']:>2} {c['temp']:>4.1f} {c['tps']:>7.1f} "
-            f"{c['baseline_tps']:>7.1f} {c['ratio']:>6.2f} {_spread(c):>9} {_aa(c):>9} "
-            f"{_fmt(c['ideal_ratio']):>6} "
-            f"{_fmt(c['efficiency']):>5} {_fmt(c.get('batch_fill')):>5} {_fmt(c['acceptance_rate']):>5} "
-            f"{_fmt(c.get('auto_over_plain')):>5} {_fmt(c.get('auto_over_best')):>6} "
-            f"{_fmt(c.get('auto_depth_over_plain')):>6} {_fmt(c.get('prompt_ratio')):>6}  {_breakdown(c)}"
-        )
+        rows.append(
+            [
+                c["path"], str(c["batch_size"]), str(c["k"]), f"{c['temp']:.1f}", f"{c['tps']:.1f}",
+                f"{c['baseline_tps']:.1f}", f"{c['ratio']:.2f}", _spread(c), _aa(c), _check(c, poisoned),
+                _fmt(c["ideal_ratio"]), _fmt(c["efficiency"]), _fmt(c.get("batch_fill")),
+                _fmt(c["acceptance_rate"]), _fmt(c.get("auto_over_plain")), _fmt(c.get("auto_over_best")),
+                _fmt(c.get("auto_depth_over_plain")), _fmt(c.get("prompt_ratio")),
+            ]
+        )  # fmt: skip
+        tails.append(_breakdown(c))
     for d in results.get("draft_cells", []):
+        first = ["draft", "1", str(d["k"]), f"{d['temp']:.1f}"]
         if d.get("refused"):
-            lines.append(f"draft   1 {d['k']:>2} {d['temp']:>4.1f}  refused by mlx-lm: {d['refused']}")
+            rows.append(first + ["-"] * (len(header) - len(first)))
+            tails.append(f"refused by mlx-lm: {d['refused']}")
             continue
-        lines.append(
-            f"draft   1 {d['k']:>2} {d['temp']:>4.1f} {d['tps']:>7.1f} {d['baseline_tps']:>7.1f} "
-            f"{d['ratio']:>6.2f}  (mlx-lm speculative_generate_step, draft-token share "
-            f"{_fmt(d.get('draft_token_share'))})"
+        measured = [f"{d['tps']:.1f}", f"{d['baseline_tps']:.1f}", f"{d['ratio']:.2f}"]
+        rows.append(first + measured + ["-"] * (len(header) - len(first) - len(measured)))
+        tails.append(
+            f"mlx-lm speculative_generate_step, draft-token share {_fmt(d.get('draft_token_share'))}"
         )
+    lines += [f"{row}  {tail}".rstrip() for row, tail in zip(_columns(rows), tails)]
+    warning = _warning(results)
+    if warning:
+        lines.append(warning)
+    lines += textwrap.wrap(
+        "legend: " + LEGEND.format(noisy=NOISY_AA), width=110, subsequent_indent="  ", break_on_hyphens=False
+    )
     return "\n".join(lines)
 
 
@@ -128,11 +208,12 @@ def markdown(results: dict[str, Any]) -> str:
             )
     out += [
         "",
-        "| path | B | k | T | tok/s | baseline | ratio | spread | A/A | ideal | efficiency | fill | accept "
-        "| auto/plain | auto/best | auto depth/plain (k) | prompt phase | "
+        "| path | B | k | T | tok/s | baseline | ratio | spread | A/A | check | ideal | efficiency | fill "
+        "| accept | auto/plain | auto/best | auto depth/plain (k) | prompt phase | "
         "cycle ms: verify + head + not overlapped |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    poisoned = _poisoned_ks(results)
     for c in results["cells"]:
         depth = _fmt(c.get("auto_depth_over_plain"))
         if c.get("auto_depth_k"):
@@ -140,7 +221,7 @@ def markdown(results: dict[str, Any]) -> str:
         out.append(
             f"| {c['path']} | {c['batch_size']} | {c['k']} | {c['temp']:.1f} | {c['tps']:.0f} "
             f"| {c['baseline_tps']:.0f} | **{c['ratio']:.2f}** | {_spread(c)} | {_aa(c)} "
-            f"| {_fmt(c['ideal_ratio'])} "
+            f"| {_check(c, poisoned)} | {_fmt(c['ideal_ratio'])} "
             f"| {_fmt(c['efficiency'])} | {_fmt(c.get('batch_fill'))} | {_fmt(c['acceptance_rate'])} "
             f"| {_fmt(c.get('auto_over_plain'))} "
             f"| {_fmt(c.get('auto_over_best'))} | {depth} | {_fmt(c.get('prompt_ratio'))} | {_breakdown(c)} |"
@@ -152,8 +233,11 @@ def markdown(results: dict[str, Any]) -> str:
             continue
         out.append(
             f"| draft model (mlx-lm) | 1 | {d['k']} | {d['temp']:.1f} | {d['tps']:.0f} "
-            f"| {d['baseline_tps']:.0f} | **{d['ratio']:.2f}** | - | - | - | - | - | - | - | - | - | - | - |"
+            f"| {d['baseline_tps']:.0f} | **{d['ratio']:.2f}** |" + " - |" * 12
         )
+    warning = _warning(results)
+    if warning:
+        out += ["", f"**{warning}**"]
     return "\n".join(out)
 
 

@@ -39,6 +39,8 @@ from mlx_lm.models.gated_delta import (
     normalize_qk,
 )
 
+from .cache_leaves import leaves
+
 _ARMED = "melix_steps"  # attribute an armed ArraysCache leaf carries: list of per-step states
 
 
@@ -226,8 +228,6 @@ def supported(model: nn.Module, cache: list[Any], *, captured: int | None = None
     the cache has no exact rollback and is refused. `captured`: `captured_count(model)`
     if the caller has it.
     """
-    from .rollback import leaves
-
     recurrent = sum(isinstance(c, ArraysCache) for c in leaves(cache))
     if not recurrent:
         return True
@@ -236,8 +236,6 @@ def supported(model: nn.Module, cache: list[Any], *, captured: int | None = None
 
 def arm(cache: list[Any]) -> list[ArraysCache]:
     """Mark every recurrent leaf to record per-position states in the next forward."""
-    from .rollback import leaves
-
     armed = [c for c in leaves(cache) if isinstance(c, ArraysCache)]
     for c in armed:
         setattr(c, _ARMED, [])

@@ -55,12 +55,13 @@ from melix_fsm import lifecycle as lc
 from melix_fsm.lifecycle import SequenceMachine
 from melix_fsm.reasons import RefusalReason, reason_of, refusal_text
 
-from . import head_receipt, ragged_kv, rollback, window_kv
-from .engine import CycleEngine, Flight, PlainStep, RowHead, RowPlan, SpeculativeFault, run_ahead_default
+from . import head_receipt, ragged_kv, rollback, step_rules, window_kv
+from .engine import CycleEngine, run_ahead_default
+from .engine_records import Flight, PlainStep, RowHead, RowPlan, SpeculativeFault
 from .errors import check_kv_group
 from .hidden import main_parts
 from .prefill import check_prompt, prefill_with_hidden
-from .sampling import SamplingParams, normalize_logits, params_of
+from .sampling import UNKNOWN_SAMPLER, SamplingParams, normalize_logits, params_of
 from .token_history import TokenHistory
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -141,8 +142,7 @@ class MTPDecoder:
         if refused:
             return refused
         if self.params is None:
-            why = "unknown sampler: its distribution cannot be verified losslessly"
-            return refusal_text(RefusalReason.unsupported_sampler, why)
+            return refusal_text(RefusalReason.unsupported_sampler, UNKNOWN_SAMPLER)
         return rollback.refusal(self.cache, model=self.model)
 
     def _resolve(self) -> None:
@@ -176,7 +176,7 @@ class MTPDecoder:
             return 0
         if room is not None:
             depth = min(depth, room)
-        return max(1, min(depth, remaining - 1))  # a cycle-ready machine takes no plain step
+        return step_rules.cycle_depth(depth, remaining)  # a cycle-ready machine takes no plain step
 
     def _resuming(self) -> bool:
         """The controller resumed speculation while a plain step launched ahead ran: the
@@ -226,7 +226,7 @@ class MTPDecoder:
         if self.processors or self.kv_bits is not None:
             return None  # processors read the host's history; quantization, host offsets
         # after a plain step nothing waits for the host: mlx-lm's own pipelining, always
-        if isinstance(step, Flight) and not (self.run_ahead and self.engine.may_run_ahead()):
+        if not step_rules.may_build_on(isinstance(step, Flight), self.run_ahead, self.engine):
             return None
         left = remaining - (step.ks[0] + 1 if isinstance(step, Flight) else 1)
         if left <= 0:
@@ -234,10 +234,7 @@ class MTPDecoder:
         k = self._depth(left)
         if k == 0:
             return self._plain()
-        if not self.run_ahead or getattr(self.controller, "plain_due", False):
-            # on a CPU a cycle launched ahead computes while it is launched, inside the
-            # period of the step before it; and one that `step`'s update turns speculation
-            # off for (on schedule) would be undone
+        if not step_rules.may_launch_cycle_ahead(self.run_ahead, self.controller):
             return None
         try:
             return self.engine.launch([self._plan(k, left)])
@@ -252,63 +249,52 @@ class MTPDecoder:
             return None
         speculating = self.machine.state in lc.CYCLE_READY and not self.refusal
         depth = getattr(self.controller, "k", self.k) if self.controller is not None else self.k
-        if isinstance(ahead, Flight) != speculating or (isinstance(ahead, Flight) and ahead.ks[0] > depth):
-            self.engine.abandon(ahead)
-            return None
-        return ahead
+        then = ahead.ks[0] if isinstance(ahead, Flight) else 0
+        # a resume waits for a plain step running ahead (`_reconcile`): the row is not resuming
+        if step_rules.ahead_fits([then], [depth if speculating else 0], [False]):
+            return ahead
+        self.engine.abandon(ahead)
+        return None
 
     def _finish(self, step: Flight | PlainStep) -> list[Emitted] | None:
         """Sync one launched step and record it; None when a cycle faulted."""
         if isinstance(step, PlainStep):
             token = self.engine.settle_plain(step)[0]
-            self.machine.send(lc.PLAIN_STEP)
-            if self._boundary_pause:  # back to speculating after the step at the start
-                self._boundary_pause = False
-                self.machine.send(lc.Signal(event=lc.RESUME.event, reason="past quantized_kv_start"))
+            signals = step_rules.step_signals(0, 0)
             out = [(token, step.logprobs[0], False)]
-            accepted = proposed = 0
         else:
             try:
                 settled = self.engine.settle(step)
             except SpeculativeFault as fault:
                 self._fault(fault, step.ks[0])
                 return None
-            k, a = step.ks[0], settled.accepted[0]
-            self.machine.send(lc.draft(k))
-            self.machine.send(lc.VERIFY)
-            self.machine.send(lc.verified(a))
-            tokens = settled.tokens[0]
-            out = [(t, settled.logprobs[0, j], j < a) for j, t in enumerate(tokens)]
-            accepted, proposed = a, k
-        self._observe(accepted, proposed, len(out))
+            a = settled.accepted[0]
+            signals = step_rules.step_signals(step.ks[0], a)
+            out = [(t, settled.logprobs[0, j], j < a) for j, t in enumerate(settled.tokens[0])]
+        for signal in signals:
+            self.machine.send(signal)
+        if self._boundary_pause and isinstance(step, PlainStep):  # the plain step at the start is done
+            self._boundary_pause = False
+            self.machine.send(lc.Signal(event=lc.RESUME.event, reason="past quantized_kv_start"))
+        self._observe(signals, len(out))
         return out
 
-    def _observe(self, accepted: int, proposed: int, tokens: int) -> None:
+    def _observe(self, signals: list[lc.Signal], tokens: int) -> None:
         """Feed the controller this step's outcome and wall time."""
         now = time.perf_counter()
         seconds = None if self._last_step_end is None else now - self._last_step_end
         self._last_step_end = now
         if self.controller is None or self.machine.state not in lc.STEERABLE:
             return
-        positions = [1] * accepted + [0] * (proposed - accepted) if proposed else None
         remaining = None if self._budget is None else max(self._budget - tokens, 0)
-        self.controller.update(
-            1,
-            accepted,
-            proposed,
-            seconds=seconds,
-            tokens=tokens,
-            accepted_per_position=positions,
-            remaining=remaining,
-        )
+        step_rules.feed(self.controller, 1, [signals], seconds=seconds, tokens=tokens, remaining=remaining)
         self._reconcile()
 
     def _fault(self, fault: SpeculativeFault, k: int) -> None:
-        if fault.drafted:  # the drafts existed: record them, then discard them with the fault
-            self.machine.send(lc.draft(k))
-            self.machine.send(lc.VERIFY)
         self.fault_message = str(fault)
-        self.machine.send(lc.Signal(event=lc.FAULT.event, reason=self.fault_message))
+        recorded, faulted = step_rules.fault_signals(k, fault.drafted, self.fault_message)
+        for signal in (*recorded, faulted):
+            self.machine.send(signal)
         for row in self.engine.rows:  # faulted for good: the head does no more work
             self.engine.forget(row)
 
@@ -425,20 +411,12 @@ class MTPDecoder:
         """
         if self.controller is None:
             return
-        want = self.controller.speculating
-        state = self.machine.state
-        if want == (state in lc.CYCLE_READY) or state not in lc.STEERABLE:
-            return
-        if want and self._plain_ahead:
-            # a plain step launched ahead belongs to the suspended window it was launched
-            # in: it settles as a plain step, and the row resumes after it (`_resuming`),
-            # so the switch undoes nothing
-            return
-        event = lc.RESUME if want else lc.SUSPEND
-        if self.machine.allows(event.event):
-            events = self.controller.events
-            reason = str(events[-1].reason) if events else ("speculating" if want else "suspended")
-            self.machine.send(lc.Signal(event=event.event, reason=reason))
+        # a plain step launched ahead belongs to the suspended window it was launched in:
+        # it settles as a plain step, and the row resumes after it (`_resuming`), so the
+        # switch undoes nothing
+        signal, rows = step_rules.steer(self.controller, [self.machine.state], [self._plain_ahead])
+        if rows:
+            self.machine.send(signal)
 
     @property
     def stats(self) -> dict[str, Any]:

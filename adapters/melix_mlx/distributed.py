@@ -230,13 +230,13 @@ def _shard_head(model: nn.Module, head: Any, group: Any, model_type: str) -> Non
 
 def _rewire_head(model: nn.Module, head: Any) -> None:
     """Point the head at the model's (possibly replaced, vocabulary-sharded) lm_head."""
-    from .heads._base import _SharedRefs
+    from .heads._base import SharedRefs
     from .hidden import main_parts
 
     parts = main_parts(model)
     own = getattr(head, "own_lm_head", False)
     if not own:
-        head._shared = _SharedRefs(parts.embed_tokens, parts.lm_head)
+        head._shared = SharedRefs(parts.embed_tokens, parts.lm_head)
 
 
 # -- agreement -------------------------------------------------------------------------

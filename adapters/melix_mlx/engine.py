@@ -61,18 +61,28 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from melix_fsm.errors import MelixError
+from melix_fsm.pipeline import PIPELINE, PipelineEvent, PipelineTracker
 
 from . import absorbed_mla, capture, rollback
 from .acceptance import accept_sampled
 from .cycle_clock import CycleClock
 from .distributed import agreement, rank_error
+from .engine_records import (
+    CallerError,
+    EngineState,
+    Flight,
+    ForwardFailed,
+    PlainStep,
+    RowHead,
+    RowPlan,
+    Settled,
+    SpeculativeFault,
+)
 from .hidden import forward_with_hidden
 from .sampling import SamplingParams, normalize_logits, probabilities, sample_from
 
@@ -93,36 +103,12 @@ def run_ahead_default() -> bool:
     return mx.default_device().type == mx.DeviceType.gpu
 
 
-class CallerError(MelixError):
-    """A caller's own sampler or logits processor raised inside a cycle.
-
-    It is the caller's bug, not a speculative fault: the engine restores its caches and
-    re-raises the original exception (via this wrapper's `cause`), as mlx-lm would.
-    """
-
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(f"{type(cause).__name__}: {cause}")
-        self.cause = cause
-
-
 def _caller(fn: Callable[..., mx.array], *args: Any) -> mx.array:
     """Call a caller-supplied sampler or processor; its exceptions are the caller's."""
     try:
         return fn(*args)
     except Exception as exc:
         raise CallerError(exc) from exc
-
-
-class ForwardFailed(MelixError):
-    """A model or head forward of a speculative cycle raised (wraps the cause).
-
-    Only these become speculative faults: an error anywhere else in the engine is a bug
-    in this package and propagates as itself (after the caches are put back).
-    """
-
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(f"{type(cause).__name__}: {cause}")
-        self.cause = cause
 
 
 def _head_at(
@@ -150,119 +136,6 @@ def _forward(fn: Callable[..., Any], *args: Any) -> Any:
         raise ForwardFailed(exc) from exc
 
 
-class SpeculativeFault(MelixError):
-    """A speculative cycle failed; caches were restored to the cycle's start."""
-
-    def __init__(self, cause: BaseException, *, drafted: bool) -> None:
-        super().__init__(f"{type(cause).__name__}: {cause}")
-        self.cause = cause
-        self.drafted = drafted  # the drafts existed (the verify or a later stage failed)
-
-
-@dataclass
-class RowPlan:
-    """What one row does in the next step."""
-
-    k: int  # drafts to verify this cycle; 0 = decode plainly
-    params: SamplingParams | None  # the distribution its sampler draws from (None: unknown)
-    sampler: Sampler | None  # how it draws a plain token (None: greedy argmax)
-    processors: tuple = ()
-    history: mx.array | None = None  # [n] tokens of its context before y (only with processors)
-    remaining: int | None = None  # the fewest tokens the row may still emit (None: no limit)
-
-    @property
-    def keep(self) -> int | None:
-        """Most drafts the row may keep: one that ends within this cycle keeps no token past
-        its end, so its caches hold exactly what it emitted (None: all k)."""
-        if self.remaining is None or self.remaining - 1 >= self.k:
-            return None
-        return max(0, self.remaining - 1)
-
-    @property
-    def greedy(self) -> bool:
-        return self.sampler is None or (self.params is not None and self.params.greedy)
-
-
-@dataclass
-class RowHead:
-    """A row's head state between steps (device arrays are lazy until the next sync)."""
-
-    draft: mx.array | None = None  # [1] the first draft of its next cycle
-    q: mx.array | None = None  # [1, V] the distribution that draft came from (sampled rows)
-    hidden: mx.array | None = None  # [1, 1, D] head output at the draft's position (chaining)
-    pending_h: list[mx.array] = field(default_factory=list)  # [1, D] pairs not yet fed
-    pending_t: list[mx.array] = field(default_factory=list)  # [1] their tokens
-
-    @property
-    def fresh(self) -> bool:
-        return self.draft is not None and not self.pending_t
-
-
-@dataclass
-class Flight:
-    """A launched speculative cycle, not yet synchronised."""
-
-    K: int
-    ks: list[int]
-    inputs: mx.array  # [B, K + 1] y and drafts
-    logprobs: mx.array  # [B, K + 1, V] processed log-probabilities
-    accepted: mx.array  # [B] accept counts: drafts the acceptance rule accepted and the row emits
-    kept: mx.array  # [B] drafts each row keeps: accepted, capped by RowPlan.keep
-    bonus: mx.array  # [B] the token after each row's kept prefix
-    next_draft: mx.array  # [B]
-    next_q: list[mx.array | None]
-    next_hidden: mx.array  # [B, 1, D]
-    mark: rollback.CacheMark
-    head_mark: rollback.CacheMark
-    before: _EngineState  # the engine's state at launch: what an undo puts back
-    in_graph: bool  # the rollback ran inside the graph; settle only counts its holes
-
-
-@dataclass
-class _EngineState:
-    """The host-side references an undo restores (the arrays themselves are immutable)."""
-
-    y: mx.array
-    rows: list[tuple[Any, ...]]
-
-    @classmethod
-    def of(cls, engine: CycleEngine) -> _EngineState:
-        rows = [(r.draft, r.q, r.hidden, list(r.pending_h), list(r.pending_t)) for r in engine.rows]
-        return cls(engine.y, rows)
-
-    def put_back(self, engine: CycleEngine) -> None:
-        engine.y = self.y
-        for row, saved in zip(engine.rows, self.rows):
-            row.draft, row.q, row.hidden, row.pending_h, row.pending_t = saved
-
-
-@dataclass
-class PlainStep:
-    """A launched plain step (every row one token), not yet synchronised."""
-
-    tokens: mx.array  # [B]
-    logprobs: mx.array  # [B, V]
-    mark: rollback.CacheMark | None
-    head_mark: rollback.CacheMark | None
-    before: _EngineState | None  # None: the batch was reshaped since; it can only be settled
-
-    def filtered(self, keep: list[int]) -> PlainStep:
-        """The same step for the rows kept by a batch filter (it can no longer be abandoned)."""
-        index = mx.array(keep, dtype=mx.int32)
-        return PlainStep(self.tokens[index], self.logprobs[index], None, None, None)
-
-
-@dataclass
-class Settled:
-    """A settled cycle: host values per row."""
-
-    accepted: list[int]  # per row: drafts the acceptance rule accepted that the row emits
-    tokens: list[list[int]]  # per row: its kept drafts then the bonus token
-    logprobs: mx.array  # [B, K + 1, V]
-    drafts: list[list[int]]  # per row: the k drafts it proposed (accepted or not)
-    kept: list[int]  # per row: drafts its caches keep (accepted, capped by RowPlan.keep)
-
-
 class CycleEngine:
     """Draft/verify/accept/rollback over B rows; see the module rules."""
 
@@ -284,7 +157,10 @@ class CycleEngine:
         self.head_forwards = 0
         self.abandoned_steps = 0  # launched ahead, then undone: device work thrown away
         self._drafted = False
-        self._in_flight: list[Flight | PlainStep] = []  # launched, not yet settled, in launch order
+        # launched, not yet settled, in launch order; its length is the pipeline's state
+        # (spec/pipeline.toml), which every change below sends an event to
+        self._in_flight: list[Flight | PlainStep] = []
+        self.pipeline: PipelineTracker = PIPELINE.tracker()
         self.clock: CycleClock | None = None  # set to a CycleClock to break cycles down (bench)
         self.agreement = agreement(model)  # rank 0's tokens on every rank (None: one process)
 
@@ -336,6 +212,7 @@ class CycleEngine:
     def extend(self, y: mx.array, rows: list[RowHead]) -> None:
         if self._in_flight:
             raise RuntimeError("rows cannot join while a step is in flight; settle it first")
+        self.pipeline.send(PipelineEvent.extend)
         self.y = mx.concatenate([self.y, y.astype(mx.uint32)])
         self.rows.extend(rows)
 
@@ -349,6 +226,7 @@ class CycleEngine:
         """Keep rows `keep`; plain steps in flight keep those rows too (a cycle must settle first)."""
         if any(isinstance(step, Flight) for step in self._in_flight):
             raise RuntimeError("rows cannot leave while a cycle is in flight; settle it first")
+        self.pipeline.send(PipelineEvent.filter if keep else PipelineEvent.clear)
         self._in_flight = [step.filtered(keep) for step in self._in_flight] if keep else []
         self.y = self.y[mx.array(keep, dtype=mx.int32)] if keep else mx.zeros((0,), mx.uint32)
         self.rows = [self.rows[i] for i in keep]
@@ -396,14 +274,15 @@ class CycleEngine:
             row.pending_h, row.pending_t = [], []
 
     # -- one speculative cycle ----------------------------------------------------------
-    def launch(self, plans: list[RowPlan]) -> Flight:
+    def launch(self, plans: list[RowPlan], uids: list[Any] | None = None) -> Flight:
         """Build the cycle's graph and start it on the device (`mx.async_eval`)."""
+        PIPELINE.target(self.pipeline.state, PipelineEvent.launch)  # at most two in flight: before any work
         ks = [p.k for p in plans]
         K = max(ks)
         B = len(plans)
         cp = rollback.mark(self.cache)
         head_cp = rollback.mark(self.head_cache)
-        before = _EngineState.of(self)
+        before = EngineState.of(self)
         self._drafted = False
         t0 = time.perf_counter()
         try:
@@ -425,8 +304,10 @@ class CycleEngine:
             clock.dispatch += time.perf_counter() - t1
             if clock._last_settle is not None:
                 clock.outside += max(t0 - clock._last_settle, 0.0)
+        flight.plans, flight.uids = plans, list(range(B)) if uids is None else list(uids)
         self._advance(flight)
         self._in_flight.append(flight)
+        self.pipeline.send(PipelineEvent.launch)
         return flight
 
     @property
@@ -609,10 +490,11 @@ class CycleEngine:
         try:
             mx.eval(flight.accepted, flight.kept, flight.bonus, flight.inputs, flight.next_draft)
         except Exception as exc:
-            self._undo(flight)
+            self._undo(flight, PipelineEvent.fault)
             raise self._fault(exc, True) from exc
         t1 = time.perf_counter()
         self._in_flight.pop(0)
+        self.pipeline.send(PipelineEvent.settle)
         accepted, kept = flight.accepted.tolist(), flight.kept.tolist()
         fed = flight.inputs.tolist()
         bonus = flight.bonus.tolist()
@@ -648,10 +530,11 @@ class CycleEngine:
         if not self._in_flight or self._in_flight[0] is not step:
             raise RuntimeError("steps settle once each, in launch order (a void step cannot settle)")
 
-    def _undo(self, step: Flight | PlainStep) -> None:
+    def _undo(self, step: Flight | PlainStep, event: PipelineEvent = PipelineEvent.abandon) -> None:
         if step.before is None or step.mark is None or step.head_mark is None:
             raise RuntimeError("a plain step launched before a batch reshape cannot be undone")
         at = next(i for i, s in enumerate(self._in_flight) if s is step)
+        self.pipeline.send(event, newest=at == len(self._in_flight) - 1)
         voided = sum(isinstance(s, Flight) and s.in_graph for s in self._in_flight[at:])
         rollback.restore(self.cache, step.mark, voided)
         rollback.restore(self.head_cache, step.head_mark, voided)
@@ -660,13 +543,14 @@ class CycleEngine:
         del self._in_flight[at:]
 
     # -- plain steps -----------------------------------------------------------------------
-    def plain(self, plans: list[RowPlan]) -> PlainStep:
+    def plain(self, plans: list[RowPlan], uids: list[Any] | None = None) -> PlainStep:
         """One plain forward of every row's y: next tokens [B] and log-probs [B, V], lazy.
 
         The hidden state waits as a pending head pair (fed at the next catch-up). The
         step keeps a mark, so the latest step can be abandoned like a cycle.
         """
-        step_mark = (rollback.mark(self.cache), rollback.mark(self.head_cache), _EngineState.of(self))
+        PIPELINE.target(self.pipeline.state, PipelineEvent.launch)  # at most two in flight: before any work
+        step_mark = (rollback.mark(self.cache), rollback.mark(self.head_cache), EngineState.of(self))
         logits, hidden = forward_with_hidden(self.model, self.y[:, None], self.cache)
         self.target_forwards += 1
         try:
@@ -694,8 +578,10 @@ class CycleEngine:
                     for row in self.rows:
                         self.forget(row)
         self.y = tokens
-        step = PlainStep(tokens, logprobs, *step_mark)
+        ids = list(range(len(plans))) if uids is None else list(uids)
+        step = PlainStep(tokens, logprobs, *step_mark, plans, ids)
         self._in_flight.append(step)
+        self.pipeline.send(PipelineEvent.launch)
         return step
 
     def settle_plain(self, step: PlainStep) -> list[int]:
@@ -704,4 +590,5 @@ class CycleEngine:
         self._check_next(step)
         tokens = step.tokens.tolist()
         self._in_flight.pop(0)
+        self.pipeline.send(PipelineEvent.settle)
         return tokens

@@ -36,24 +36,15 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import (
     ArraysCache,
-    CacheList,
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
 )
 
+from . import capture
+from .cache_leaves import leaves
+
 _TRIMMABLE_KV = (KVCache, QuantizedKVCache)
-
-
-def leaves(cache: list[Any]) -> list[Any]:
-    """Flatten CacheList containers into their layer caches."""
-    out: list[Any] = []
-    for c in cache:
-        if isinstance(c, CacheList):
-            out.extend(leaves(list(c.caches)))
-        else:
-            out.append(c)
-    return out
 
 
 def kind_of(c: Any) -> str:
@@ -108,8 +99,6 @@ def unsupported_kinds(cache: list[Any], model: Any = None) -> list[str]:
         if strategy not in _RUNS or not _RUNS[strategy](c):
             bad.add(kind_of(c))
     if model is not None and "arrays" not in bad and needs_capture(cache):
-        from . import capture
-
         capture.install(model)
         if not capture.supported(model, cache):
             bad.add("arrays")

@@ -49,6 +49,9 @@ class SamplingParams:
 
 GREEDY = SamplingParams()
 
+# Why a row whose sampler's distribution is unknown never speculates (both decoders say it).
+UNKNOWN_SAMPLER = "unknown sampler: its distribution cannot be verified losslessly"
+
 
 def make_sampler(
     temp: float = 0.0,

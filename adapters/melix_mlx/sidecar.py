@@ -32,6 +32,15 @@ from melix_fsm.sidecar import PROBE_ALPHA, SidecarReport, chance_p_value, report
 
 from .errors import HeadShapeMismatch, MissingHeadWeights, UnsupportedModel
 from .families import advertised_head_count, detect_family, family_entry, text_config
+from .head_weights import (
+    MELIX_CONFIG_KEY,
+    MELIX_KEY_PREFIX,
+    HeadInfo,
+    build_layer,
+    first_float_dtype,
+    load_main,
+    read_head_weights,
+)
 from .heads import FAMILY_MODULES
 from .hidden import forward_with_hidden, main_parts
 
@@ -147,7 +156,6 @@ def validate_pack(
 ) -> tuple[SidecarReport, nn.Module | None]:
     """Run the contract for ``pack`` offered to ``target`` (already loaded as ``model``)."""
     from .heads.stacked import StackedHead
-    from .loading import MELIX_CONFIG_KEY, MELIX_KEY_PREFIX, _build_layer, _read_head_weights
 
     target, pack = Path(target), Path(pack)
     target_cfg = load_config(target) if target_cfg is None else target_cfg
@@ -176,8 +184,8 @@ def validate_pack(
     dtypes = (ok, detail)
     qok, qdetail, declared = _quant_structure(headers, pack_cfg, target_cfg)
     try:
-        per_layer, _, _ = _read_head_weights(pack, read_cfg, family, list(range(layers)))
-        built = [_build_layer(model, family, w, None, pack)[0] for w in per_layer.values()]
+        per_layer, _, _ = read_head_weights(pack, read_cfg, family, list(range(layers)))
+        built = [build_layer(model, family, w, None, pack)[0] for w in per_layer.values()]
     except (MissingHeadWeights, UnsupportedModel) as exc:
         results["keys"] = (False, str(exc))
         return done()
@@ -228,7 +236,6 @@ def load_with_sidecar(
 
     from . import head_receipt
     from .errors import UnvalidatedSidecar
-    from .loading import MELIX_CONFIG_KEY, HeadInfo, _first_float_dtype, load_main
 
     path, pack = Path(path), Path(pack)
     model, config = load_main(path)
@@ -251,7 +258,7 @@ def load_with_sidecar(
         source_files=tuple(result.files),
         sidecar=True,
         norms_repaired_on_load=family_entry(config).norm_repair == "plus_one" and fmt == "hf",
-        head_dtype=_first_float_dtype(head),
+        head_dtype=first_float_dtype(head),
         head_quantized=any(isinstance(m, nn.QuantizedLinear) for _, m in head.named_modules()),
         main_quantized=bool(main_quant),
         own_lm_head=False,

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
-from .tiny_tokenizer import EOS_TOKEN_ID, VOCAB_SIZE, special_token_ids, write_tokenizer
+from . import tiny_moe
+from .tiny_layers import Init, lm_head, mlp, qwen3_5_full_attn, qwen3_5_linear_attn
+from .tiny_tokenizer import EOS_TOKEN_ID, VOCAB_SIZE, write_tokenizer
 
 _BASE_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3_5": {
@@ -145,34 +145,9 @@ HEAD_COUNT_KEY = {
 }
 
 
-class _Init:
-    """Seeded tensor factory; Linear weights ~ N(0, gain^2 / fan_in)."""
-
-    def __init__(self, seed: int, dtype: mx.Dtype) -> None:
-        self.rng = np.random.default_rng(seed)
-        self.dtype = dtype
-
-    def _arr(self, x: np.ndarray) -> mx.array:
-        return mx.array(x.astype(np.float32)).astype(self.dtype)
-
-    def linear(self, out_dim: int, in_dim: int, gain: float = 1.0) -> mx.array:
-        std = gain / math.sqrt(in_dim)
-        return self._arr(self.rng.normal(0.0, std, (out_dim, in_dim)))
-
-    def normal(self, shape: tuple[int, ...], std: float) -> mx.array:
-        return self._arr(self.rng.normal(0.0, std, shape))
-
-    def norm(self, dim: int, one_plus: bool) -> mx.array:
-        # (1+w) norms store w near 0; plain norms store a weight near 1.
-        w = self.rng.normal(0.0, 0.1, (dim,))
-        return self._arr(w if one_plus else 1.0 + w)
-
-
 def _config_for(family: str, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict]:
     """Return (config.json dict, the language-model settings dict inside it)."""
     if family in MORE_FAMILIES:
-        from . import tiny_moe
-
         text = copy.deepcopy(tiny_moe.CONFIGS[family])
         text.update(overrides)
         return tiny_moe.wrap_config(family, text), text
@@ -194,59 +169,20 @@ def _config_for(family: str, overrides: dict[str, Any]) -> tuple[dict[str, Any],
     return config, text
 
 
-def _mlp(init: _Init, p: str, d: int, inter: int) -> dict[str, mx.array]:
-    return {
-        f"{p}.gate_proj.weight": init.linear(inter, d),
-        f"{p}.up_proj.weight": init.linear(inter, d),
-        f"{p}.down_proj.weight": init.linear(d, inter),
-    }
-
-
-def _qwen3_5_full_attn(init: _Init, p: str, c: dict) -> dict[str, mx.array]:
-    d, h, kv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-    return {
-        f"{p}.q_proj.weight": init.linear(2 * h * hd, d),  # queries and output gate
-        f"{p}.k_proj.weight": init.linear(kv * hd, d),
-        f"{p}.v_proj.weight": init.linear(kv * hd, d),
-        f"{p}.o_proj.weight": init.linear(d, h * hd),
-        f"{p}.q_norm.weight": init.norm(hd, one_plus=True),
-        f"{p}.k_norm.weight": init.norm(hd, one_plus=True),
-    }
-
-
-def _qwen3_5_linear_attn(init: _Init, p: str, c: dict) -> dict[str, mx.array]:
-    d = c["hidden_size"]
-    nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
-    kd, vd = nk * c["linear_key_head_dim"], nv * c["linear_value_head_dim"]
-    conv_dim, k = 2 * kd + vd, c["linear_conv_kernel_dim"]
-    return {
-        f"{p}.in_proj_qkv.weight": init.linear(conv_dim, d),
-        f"{p}.in_proj_z.weight": init.linear(vd, d),
-        f"{p}.in_proj_b.weight": init.linear(nv, d),
-        f"{p}.in_proj_a.weight": init.linear(nv, d),
-        f"{p}.conv1d.weight": init.normal((conv_dim, 1, k), 1.0 / math.sqrt(k)),  # HF [C,1,K]
-        f"{p}.dt_bias": init.normal((nv,), 0.5) + 1.0,
-        f"{p}.A_log": mx.log(mx.array(init.rng.uniform(1.0, 16.0, (nv,)), dtype=init.dtype)),
-        # the gated norm is a plain weight (not 1+w) in HF as well
-        f"{p}.norm.weight": init.norm(c["linear_value_head_dim"], one_plus=False),
-        f"{p}.out_proj.weight": init.linear(d, vd),
-    }
-
-
-def _qwen3_5_layer(init: _Init, p: str, c: dict, full: bool) -> dict[str, mx.array]:
+def _qwen3_5_layer(init: Init, p: str, c: dict, full: bool) -> dict[str, mx.array]:
     d = c["hidden_size"]
     w = (
-        _qwen3_5_full_attn(init, f"{p}.self_attn", c)
+        qwen3_5_full_attn(init, f"{p}.self_attn", c)
         if full
-        else _qwen3_5_linear_attn(init, f"{p}.linear_attn", c)
+        else qwen3_5_linear_attn(init, f"{p}.linear_attn", c)
     )
-    w.update(_mlp(init, f"{p}.mlp", d, c["intermediate_size"]))
+    w.update(mlp(init, f"{p}.mlp", d, c["intermediate_size"]))
     w[f"{p}.input_layernorm.weight"] = init.norm(d, one_plus=True)
     w[f"{p}.post_attention_layernorm.weight"] = init.norm(d, one_plus=True)
     return w
 
 
-def _qwen3_5_weights(init: _Init, c: dict) -> tuple[dict, dict]:
+def _qwen3_5_weights(init: Init, c: dict) -> tuple[dict, dict]:
     d, v = c["hidden_size"], c["vocab_size"]
     embed = init.normal((v, d), 1.0)
     main: dict[str, mx.array] = {"model.language_model.embed_tokens.weight": embed}
@@ -255,7 +191,7 @@ def _qwen3_5_weights(init: _Init, c: dict) -> tuple[dict, dict]:
         main.update(_qwen3_5_layer(init, f"model.language_model.layers.{i}", c, full))
     main["model.language_model.norm.weight"] = init.norm(d, one_plus=True)
     if not c["tie_word_embeddings"]:
-        main["lm_head.weight"] = _lm_head(init, v, d, embed)
+        main["lm_head.weight"] = lm_head(init, v, d, embed)
     head = {
         "mtp.fc.weight": init.linear(d, 2 * d),
         "mtp.pre_fc_norm_embedding.weight": init.norm(d, one_plus=True),
@@ -267,7 +203,7 @@ def _qwen3_5_weights(init: _Init, c: dict) -> tuple[dict, dict]:
     return main, head
 
 
-def _qwen2_layer(init: _Init, p: str, c: dict) -> dict[str, mx.array]:
+def _qwen2_layer(init: Init, p: str, c: dict) -> dict[str, mx.array]:
     d, h, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
     hd = d // h
     a = f"{p}.self_attn"
@@ -282,11 +218,11 @@ def _qwen2_layer(init: _Init, p: str, c: dict) -> dict[str, mx.array]:
         f"{p}.input_layernorm.weight": init.norm(d, one_plus=False),
         f"{p}.post_attention_layernorm.weight": init.norm(d, one_plus=False),
     }
-    w.update(_mlp(init, f"{p}.mlp", d, c["intermediate_size"]))
+    w.update(mlp(init, f"{p}.mlp", d, c["intermediate_size"]))
     return w
 
 
-def _mimo_weights(init: _Init, c: dict) -> tuple[dict, dict]:
+def _mimo_weights(init: Init, c: dict) -> tuple[dict, dict]:
     d, v = c["hidden_size"], c["vocab_size"]
     embed = init.normal((v, d), 1.0)
     main: dict[str, mx.array] = {"model.embed_tokens.weight": embed}
@@ -294,7 +230,7 @@ def _mimo_weights(init: _Init, c: dict) -> tuple[dict, dict]:
         main.update(_qwen2_layer(init, f"model.layers.{i}", c))
     main["model.norm.weight"] = init.norm(d, one_plus=False)
     if not c["tie_word_embeddings"]:
-        main["lm_head.weight"] = _lm_head(init, v, d, embed)
+        main["lm_head.weight"] = lm_head(init, v, d, embed)
     head: dict[str, mx.array] = {}
     for j in range(c["num_nextn_predict_layers"]):
         p = f"model.mtp_layers.{j}"
@@ -306,22 +242,11 @@ def _mimo_weights(init: _Init, c: dict) -> tuple[dict, dict]:
     return main, head
 
 
-def _lm_head(init: _Init, vocab: int, dim: int, embed: mx.array) -> mx.array:
-    """Untied output matrix: random (gain 4, so argmax moves every step) minus the
-    normalised input embedding, which discourages the token -> same token fixed points
-    that make random models repeat one token forever."""
-    w = init.linear(vocab, dim, gain=4.0) - embed / math.sqrt(dim)
-    # zero rows for special tokens: greedy runs then rarely stop early on EOS
-    return w.at[mx.array(special_token_ids())].multiply(0.0)
-
-
 _BUILDERS = {"qwen3_5": _qwen3_5_weights, "mimo": _mimo_weights}
 
 
 def _builder(family: str) -> Any:
     if family not in _BUILDERS:  # the MoE layouts (DeepSeek-V3 included) live in tiny_moe
-        from . import tiny_moe
-
         return tiny_moe.BUILDERS[family]
     return _BUILDERS[family]
 
@@ -353,7 +278,7 @@ def make_tiny(
     text[text_dtype_key] = dtype
     if head_in_sidecar is None:
         head_in_sidecar = family == "deepseek_v3" and text["num_hidden_layers"] != 61
-    init = _Init(seed, getattr(mx, dtype))
+    init = Init(seed, getattr(mx, dtype))
     main, head = _builder(family)(init, text)
 
     meta = {"format": "pt"}

@@ -27,7 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .tiny import _Init, _lm_head, _mlp, _qwen3_5_full_attn, _qwen3_5_linear_attn
+from .tiny_layers import Init, lm_head, mlp, qwen3_5_full_attn, qwen3_5_linear_attn
 from .tiny_tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
 
 _COMMON = {"vocab_size": VOCAB_SIZE, "bos_token_id": EOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID}
@@ -170,12 +170,12 @@ def wrap_config(family: str, text: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _norm1p(init: _Init, dim: int) -> mx.array:
+def _norm1p(init: Init, dim: int) -> mx.array:
     return init.norm(dim, one_plus=True)
 
 
 # -- deepseek_v3 (and glm4_moe_lite, which keeps its names) ------------------------------
-def _deepseek_layer(init: _Init, p: str, c: dict, moe: bool) -> dict[str, mx.array]:
+def _deepseek_layer(init: Init, p: str, c: dict, moe: bool) -> dict[str, mx.array]:
     d, h = c["hidden_size"], c["num_attention_heads"]
     qr, kvr = c["q_lora_rank"], c["kv_lora_rank"]
     nope, rope, vdim = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
@@ -192,18 +192,18 @@ def _deepseek_layer(init: _Init, p: str, c: dict, moe: bool) -> dict[str, mx.arr
         f"{p}.post_attention_layernorm.weight": init.norm(d, one_plus=False),
     }
     if not moe:
-        w.update(_mlp(init, f"{p}.mlp", d, c["intermediate_size"]))
+        w.update(mlp(init, f"{p}.mlp", d, c["intermediate_size"]))
         return w
     n_exp, inter = c["n_routed_experts"], c["moe_intermediate_size"]
     w[f"{p}.mlp.gate.weight"] = init.linear(n_exp, d)
     w[f"{p}.mlp.gate.e_score_correction_bias"] = mx.zeros((n_exp,), dtype=mx.float32)
     for e in range(n_exp):  # one tensor per expert, as HF stores them
-        w.update(_mlp(init, f"{p}.mlp.experts.{e}", d, inter))
-    w.update(_mlp(init, f"{p}.mlp.shared_experts", d, inter * c["n_shared_experts"]))
+        w.update(mlp(init, f"{p}.mlp.experts.{e}", d, inter))
+    w.update(mlp(init, f"{p}.mlp.shared_experts", d, inter * c["n_shared_experts"]))
     return w
 
 
-def _deepseek_weights(init: _Init, c: dict) -> tuple[dict, dict]:
+def _deepseek_weights(init: Init, c: dict) -> tuple[dict, dict]:
     d, v, n = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"]
     embed = init.normal((v, d), 1.0)
     main: dict[str, mx.array] = {"model.embed_tokens.weight": embed}
@@ -211,7 +211,7 @@ def _deepseek_weights(init: _Init, c: dict) -> tuple[dict, dict]:
         moe = i >= c["first_k_dense_replace"] and i % c["moe_layer_freq"] == 0
         main.update(_deepseek_layer(init, f"model.layers.{i}", c, moe))
     main["model.norm.weight"] = init.norm(d, one_plus=False)
-    main["lm_head.weight"] = _lm_head(init, v, d, embed)
+    main["lm_head.weight"] = lm_head(init, v, d, embed)
     head: dict[str, mx.array] = {}
     for j in range(c["num_nextn_predict_layers"]):
         p = f"model.layers.{n + j}"
@@ -226,7 +226,7 @@ def _deepseek_weights(init: _Init, c: dict) -> tuple[dict, dict]:
 
 
 # -- glm4_moe ------------------------------------------------------------------------------
-def _glm_layer(init: _Init, p: str, c: dict, moe: bool) -> dict[str, mx.array]:
+def _glm_layer(init: Init, p: str, c: dict, moe: bool) -> dict[str, mx.array]:
     d, h, kv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     a = f"{p}.self_attn"
     w = {
@@ -244,25 +244,25 @@ def _glm_layer(init: _Init, p: str, c: dict, moe: bool) -> dict[str, mx.array]:
         w[f"{a}.q_norm.weight"] = init.norm(hd, one_plus=False)
         w[f"{a}.k_norm.weight"] = init.norm(hd, one_plus=False)
     if not moe:
-        w.update(_mlp(init, f"{p}.mlp", d, c["intermediate_size"]))
+        w.update(mlp(init, f"{p}.mlp", d, c["intermediate_size"]))
         return w
     n_exp, inter = c["n_routed_experts"], c["moe_intermediate_size"]
     w[f"{p}.mlp.gate.weight"] = init.linear(n_exp, d)
     w[f"{p}.mlp.gate.e_score_correction_bias"] = mx.zeros((n_exp,), dtype=mx.float32)
     for e in range(n_exp):
-        w.update(_mlp(init, f"{p}.mlp.experts.{e}", d, inter))
-    w.update(_mlp(init, f"{p}.mlp.shared_experts", d, inter * c["n_shared_experts"]))
+        w.update(mlp(init, f"{p}.mlp.experts.{e}", d, inter))
+    w.update(mlp(init, f"{p}.mlp.shared_experts", d, inter * c["n_shared_experts"]))
     return w
 
 
-def _glm4_moe_weights(init: _Init, c: dict) -> tuple[dict, dict]:
+def _glm4_moe_weights(init: Init, c: dict) -> tuple[dict, dict]:
     d, v, n = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"]
     embed = init.normal((v, d), 1.0)
     main: dict[str, mx.array] = {"model.embed_tokens.weight": embed}
     for i in range(n):
         main.update(_glm_layer(init, f"model.layers.{i}", c, moe=i >= c["first_k_dense_replace"]))
     main["model.norm.weight"] = init.norm(d, one_plus=False)
-    main["lm_head.weight"] = _lm_head(init, v, d, embed)
+    main["lm_head.weight"] = lm_head(init, v, d, embed)
     head: dict[str, mx.array] = {}
     for j in range(c["num_nextn_predict_layers"]):
         p = f"model.layers.{n + j}"
@@ -277,22 +277,22 @@ def _glm4_moe_weights(init: _Init, c: dict) -> tuple[dict, dict]:
 
 
 # -- Qwen hybrids with MoE -----------------------------------------------------------------
-def _sparse_moe(init: _Init, p: str, c: dict, fused: bool) -> dict[str, mx.array]:
+def _sparse_moe(init: Init, p: str, c: dict, fused: bool) -> dict[str, mx.array]:
     d, n_exp, inter = c["hidden_size"], c["num_experts"], c["moe_intermediate_size"]
     w = {f"{p}.gate.weight": init.linear(n_exp, d), f"{p}.shared_expert_gate.weight": init.linear(1, d)}
-    w.update(_mlp(init, f"{p}.shared_expert", d, c["shared_expert_intermediate_size"]))
+    w.update(mlp(init, f"{p}.shared_expert", d, c["shared_expert_intermediate_size"]))
     if fused:  # [E, 2I, D] gate rows then up rows, and [E, D, I]
         w[f"{p}.experts.gate_up_proj"] = init.normal((n_exp, 2 * inter, d), 1.0 / math.sqrt(d))
         w[f"{p}.experts.down_proj"] = init.normal((n_exp, d, inter), 1.0 / math.sqrt(inter))
     else:
         for e in range(n_exp):
-            w.update(_mlp(init, f"{p}.experts.{e}", d, inter))
+            w.update(mlp(init, f"{p}.experts.{e}", d, inter))
     return w
 
 
-def _next_linear_attn(init: _Init, p: str, c: dict) -> dict[str, mx.array]:
+def _next_linear_attn(init: Init, p: str, c: dict) -> dict[str, mx.array]:
     """Qwen3-Next's fused projections in place of Qwen3.5's split ones."""
-    w = _qwen3_5_linear_attn(init, p, c)
+    w = qwen3_5_linear_attn(init, p, c)
     qkv, z = w.pop(f"{p}.in_proj_qkv.weight"), w.pop(f"{p}.in_proj_z.weight")
     b, a = w.pop(f"{p}.in_proj_b.weight"), w.pop(f"{p}.in_proj_a.weight")
     # row order is per key-head groups [q, k, v, z] / [b, a]; random rows need no regrouping
@@ -301,14 +301,14 @@ def _next_linear_attn(init: _Init, p: str, c: dict) -> dict[str, mx.array]:
     return w
 
 
-def _hybrid_layer(init: _Init, p: str, c: dict, full: bool, family: str) -> dict[str, mx.array]:
+def _hybrid_layer(init: Init, p: str, c: dict, full: bool, family: str) -> dict[str, mx.array]:
     d = c["hidden_size"]
     if full:
-        w = _qwen3_5_full_attn(init, f"{p}.self_attn", c)
+        w = qwen3_5_full_attn(init, f"{p}.self_attn", c)
     elif family == "qwen3_next":
         w = _next_linear_attn(init, f"{p}.linear_attn", c)
     else:
-        w = _qwen3_5_linear_attn(init, f"{p}.linear_attn", c)
+        w = qwen3_5_linear_attn(init, f"{p}.linear_attn", c)
     w.update(_sparse_moe(init, f"{p}.mlp", c, fused=family == "qwen3_5_moe"))
     w[f"{p}.input_layernorm.weight"] = _norm1p(init, d)
     w[f"{p}.post_attention_layernorm.weight"] = _norm1p(init, d)
@@ -316,7 +316,7 @@ def _hybrid_layer(init: _Init, p: str, c: dict, full: bool, family: str) -> dict
 
 
 def _hybrid_weights(family: str):
-    def build(init: _Init, c: dict) -> tuple[dict, dict]:
+    def build(init: Init, c: dict) -> tuple[dict, dict]:
         d, v = c["hidden_size"], c["vocab_size"]
         root = "model.language_model" if family == "qwen3_5_moe" else "model"
         embed = init.normal((v, d), 1.0)
@@ -325,7 +325,7 @@ def _hybrid_weights(family: str):
             full = (i + 1) % c["full_attention_interval"] == 0
             main.update(_hybrid_layer(init, f"{root}.layers.{i}", c, full, family))
         main[f"{root}.norm.weight"] = _norm1p(init, d)
-        main["lm_head.weight"] = _lm_head(init, v, d, embed)
+        main["lm_head.weight"] = lm_head(init, v, d, embed)
         head = {
             "mtp.fc.weight": init.linear(d, 2 * d),
             "mtp.pre_fc_norm_embedding.weight": _norm1p(init, d),
@@ -339,7 +339,7 @@ def _hybrid_weights(family: str):
     return build
 
 
-def _glm4_moe_lite_weights(init: _Init, c: dict) -> tuple[dict, dict]:
+def _glm4_moe_lite_weights(init: Init, c: dict) -> tuple[dict, dict]:
     """DeepSeek-V3's HF names and conventions (MLA with unsplit ``kv_b_proj``, per-expert MoE)."""
     return _deepseek_weights(init, c)
 

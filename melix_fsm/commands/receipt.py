@@ -10,6 +10,8 @@ Rules of this module:
   or a receipt refused as unreadable_checkpoint). The receipt, when one was made, always
   goes to stdout; a one-line reason goes to stderr for statuses 2 and 3.
 - `--schema` prints the receipt's JSON Schema (spec/receipt.schema.json is this output).
+- MODEL_DIR and --draft-model take the names the plugins' commands take (the embedded
+  checkpoints: `stdlib-tiny`, ...), looked up through the plugins (melix_fsm.cli.resolve_model).
 - No mlx import; nothing here loads weights.
 """
 
@@ -19,7 +21,7 @@ import argparse
 import sys
 from typing import Any
 
-from ..cli import EXIT_OK, EXIT_REFUSED, EXIT_USAGE
+from ..cli import EXIT_OK, EXIT_REFUSED, EXIT_USAGE, resolve_model
 from ..config import speculative_config
 from ..errors import ConfigError
 from ..reasons import RefusalReason
@@ -34,7 +36,12 @@ def register(subparsers: Any) -> None:
         description="Resolve the speculative config for MODEL_DIR and print the receipt as JSON. "
         "Exit 0 admitted (or plain decode chosen), 3 refused with a typed reason, 2 usage error.",
     )
-    parser.add_argument("model_dir", nargs="?", metavar="MODEL_DIR", help="checkpoint directory")
+    parser.add_argument(
+        "model_dir",
+        nargs="?",
+        metavar="MODEL_DIR",
+        help="checkpoint directory or embedded name (stdlib-tiny, ...)",
+    )
     add_speculative_options(parser)
     add_serving_options(parser)
     parser.add_argument("--schema", action="store_true", help="print the receipt JSON Schema and exit")
@@ -59,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
             profile=args.profile,
             method=args.method,
             num_draft_tokens=args.num_draft_tokens,
-            draft_model=args.draft_model,
+            draft_model=resolve_model(args.draft_model) if args.draft_model else None,
             device_policy=args.device_policy,
         )
         kv_arguments(args)  # the same checks generate makes
@@ -67,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"melix-fsm receipt: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     context = serving_context(args)
-    receipt = resolve(args.model_dir, config, context=context)
+    receipt = resolve(resolve_model(args.model_dir), config, context=context)
     sys.stdout.buffer.write(receipt_json(receipt))
     sys.stdout.flush()
     status = exit_status(receipt)

@@ -1,11 +1,14 @@
 """The live controller: speculate only while speculation measures faster than plain decode.
 
-(Over 400 lines on purpose: one class holds the controller's whole state machine, probes,
-hysteresis and the depth hand-off, so every switch is visible in one place; the windows,
-the depth chooser, the cost model it reads and its record types (live_types) live in their
-own modules.)
+(Over 400 lines on purpose: one class holds the controller's measurements, probes,
+hysteresis and the depth hand-off; its modes and switches are the table in
+spec/controller.toml (compiled in melix_fsm.policy.modes); the windows, the depth chooser,
+the cost model it reads and its record types (live_types) live in their own modules.)
 
 Rules of this module:
+- The mode is the spec's: it changes only through `_send`, one event of
+  spec/controller.toml at a time (an event the table lacks raises IllegalTransition);
+  this module decides *when* an event is due and what its guards measure.
 - Pure and sans-IO: no mlx, no clock. The engine times each decode step and passes the
   seconds to `update`; the controller is a pure function of what it was fed, so two
   ranks fed the same numbers decide the same, and tests drive it with synthetic timings.
@@ -66,6 +69,7 @@ from .depth import (
 )
 from .errors import CalibrationError, PolicyError
 from .live_types import Action, Decision, Estimate, LiveConfig, LiveCounters, LiveEvent, LiveReason
+from .modes import CONTROLLER, ON_SIDE, PROBES, SPECULATING, Mode, ModeEvent
 from .throughput import PositionAcceptance, Rate
 
 
@@ -147,10 +151,7 @@ class LiveController:
         if active is None:
             estimate = self._predicted(batch_size, first_k)
             active = estimate is not None and estimate >= 1.0 + cfg.margin
-        self._on = {Policy.force_on: True, Policy.force_off: False}.get(self.policy, bool(active))
-        if self.disabled_reason is not None:
-            self._on = False
-        self._probe: Literal["plain", "spec"] | None = None
+        self.mode = CONTROLLER.tracker()  # the spec's machine: every switch is one of its events
         self._probe_timed = self._probe_total = 0
         self._timed = False  # has any timed sample arrived? (else: the cost model alone)
         # the verdict or depth changed at the last update: the next step's period carries the
@@ -169,9 +170,17 @@ class LiveController:
         self._next_spec_probe = cfg.doubtful_probe_after if hopeless else cfg.first_spec_probe_after
         self._shared: Decision | None = None
         if self.disabled_reason is not None:
+            self._send(ModeEvent.disable, self.disabled_reason)
             self._record(Action.suspend, self.disabled_reason, batch_size)
-        elif self.policy is Policy.auto and not self._on:
-            self._record(Action.suspend, LiveReason.prior_disabled, batch_size)
+        elif self.policy is Policy.force_on:
+            self._send(ModeEvent.pin_on, "force_on")
+        elif self.policy is Policy.force_off:
+            self._send(ModeEvent.pin_off, "force_off")
+        else:
+            reason = LiveReason.prior_admitted if active else LiveReason.prior_disabled
+            self._send(ModeEvent.resolve, reason, prior_admits=bool(active))
+            if not active:
+                self._record(Action.suspend, LiveReason.prior_disabled, batch_size)
 
     # -- reading -------------------------------------------------------------------
     @property
@@ -183,13 +192,7 @@ class LiveController:
 
     @property
     def _own_speculating(self) -> bool:
-        if self.disabled_reason is not None or self.policy is Policy.force_off:
-            return False
-        if self.policy is Policy.force_on:
-            return True
-        if self._probe is not None:
-            return self._probe == "spec"
-        return self._on
+        return self.mode.state in SPECULATING
 
     @property
     def plain_due(self) -> bool:
@@ -200,14 +203,15 @@ class LiveController:
         plain step launched ahead needs no warning: a switch to speculation keeps it as
         the suspended window's last step.) A hint, never a verdict: a verdict off schedule
         (the periodic comparison) still undoes a cycle built ahead."""
-        if self.policy is not Policy.auto or self.disabled_reason is not None or self._shared is not None:
+        if self._shared is not None:
             return False
         cfg = self.config
-        if self._probe == "spec":  # its verdict may come at every `every`-th step of the window
+        mode = self.mode.state
+        if mode is Mode.spec_probe:  # its verdict may come at every `every`-th step of the window
             at_max = self._probe_total + 1 >= cfg.probe_max_steps
             window = self._probe_timed + 1 >= cfg.probe_steps and (self._probe_total + 1) % cfg.every == 0
             return at_max or window
-        if self._probe is None and self._on:
+        if mode is Mode.on:
             due = self._timed and self.depth.exploring is None and self.step + 1 >= self._next_plain_probe
             return due and self._long_enough()
         return False
@@ -223,17 +227,12 @@ class LiveController:
 
     @property
     def disabled(self) -> bool:
-        return self.disabled_reason is not None
+        return self.mode.state is Mode.disabled
 
     @property
-    def state(self) -> str:
-        if self.disabled_reason is not None:
-            return "disabled"
-        if self.policy is not Policy.auto:
-            return self.policy.value
-        if self._probe is not None:
-            return f"{self._probe}_probe"
-        return "on" if self._on else "suspended"
+    def state(self) -> Mode:
+        """The controller's mode (spec/controller.toml)."""
+        return self.mode.state
 
     @property
     def depth_events(self) -> list[DepthEvent]:
@@ -351,11 +350,13 @@ class LiveController:
         )
         if not before:
             self.counters.steps_suspended += 1
-        if self.disabled_reason is None and self.policy is Policy.auto:
+        mode = self.mode.state
+        if mode is Mode.force_on:
+            if drafted:
+                self.depth.advance(self.step, timed=timed, model_cost=self._cost_fn(batch_size))
+        elif mode not in (Mode.disabled, Mode.force_off):
             self._decide(batch_size, drafted, timed)
-        elif self.policy is Policy.force_on and drafted:
-            self.depth.advance(self.step, timed=timed, model_cost=self._cost_fn(batch_size))
-        if self._probe is None:
+        if self.mode.state not in PROBES:
             self.depth.settle(self.step)
         self._share(batch_size)
         after = self.speculating
@@ -447,16 +448,32 @@ class LiveController:
 
     # -- deciding ------------------------------------------------------------------
     def _decide(self, batch_size: int, drafted: bool, timed: bool) -> None:
-        if self._probe == "plain":
+        """auto's step: the events due in the current mode (at most one switch a step)."""
+        mode = self.mode.state
+        if mode is Mode.plain_probe:
             self._plain_probe_step(batch_size, timed and not drafted)
-        elif self._probe == "spec":
+        elif mode is Mode.spec_probe:
             self._spec_probe_step(batch_size, drafted, timed and drafted)
-        elif self._on:
+        elif mode is Mode.on:
             if drafted:
                 self.depth.advance(self.step, timed=timed, model_cost=self._cost_fn(batch_size))
             self._while_on(batch_size)
         else:
             self._while_off(batch_size)
+
+    def _send(self, event: ModeEvent, reason: str = "", **guards: bool) -> Mode:
+        """Every mode change goes through here: one event of spec/controller.toml. A change
+        of side (speculating under auto or not) starts the dwell; a change to the plain
+        side ends any depth exploration, and the depth records its loss to plain."""
+        before = self.mode.state
+        after = self.mode.send(event, str(reason), **guards)
+        if before in (Mode.configured, after) or (before in ON_SIDE) == (after in ON_SIDE):
+            return after
+        self._last_switch = self.step
+        if after not in ON_SIDE:
+            self.depth.abort()
+            self.depth.lost_to_plain(self.step)
+        return after
 
     def _dwelt(self) -> bool:
         return self.step - self._last_switch >= self.config.min_dwell
@@ -470,6 +487,7 @@ class LiveController:
             if not self._deferred and self._calibrated_at(batch_size) and ahead:
                 if self._priced_right(est):
                     # clearly ahead of the calibrated plain: the first plain window can wait (once)
+                    self._send(ModeEvent.defer_plain_probe, LiveReason.plain_probe)
                     self._deferred = True
                     self.counters.plain_probes_deferred += 1
                     self._next_plain_probe = self.step + self._plain_wait
@@ -496,7 +514,7 @@ class LiveController:
             k = self.depth.chosen
             perfect = (k + 1) / self.cycle_cost(batch_size, k)
             reason = LiveReason.compute_bound if perfect < cfg.resume_above else LiveReason.low_acceptance
-        self._switch(False)
+        self._send(ModeEvent.suspend, reason)
         self.counters.suspend_decisions += 1
         self._next_spec_probe = self.step + self._spec_wait
         self._record(Action.suspend, reason, batch_size, est)
@@ -538,7 +556,7 @@ class LiveController:
             return
         self.counters.evaluations += 1
         if self._above(est, cfg.resume_above):
-            self._switch(True)
+            self._send(ModeEvent.resume, LiveReason.above_threshold)
             self.counters.resume_decisions += 1
             self._next_plain_probe = self.step + self._plain_wait
             self._record(Action.resume, LiveReason.above_threshold, batch_size, est)
@@ -560,7 +578,10 @@ class LiveController:
         return False
 
     def _start_probe(self, kind: Literal["plain", "spec"], batch_size: int) -> None:
-        self._probe = kind
+        if kind == "plain":
+            self._send(ModeEvent.start_plain_probe, LiveReason.plain_probe)
+        else:
+            self._send(ModeEvent.start_spec_probe, LiveReason.probe)
         self._probe_timed = self._probe_total = 0
         self.depth.abort()
         if kind == "plain":
@@ -592,33 +613,34 @@ class LiveController:
         done, _ = self._probe_progress(timed_plain)
         if not done:
             return
-        self._probe = None
         cfg = self.config
         est = self.estimate(batch_size)
         self.counters.evaluations += 1
         if est.source != "measured":
-            self.counters.probes_inconclusive += 1
-            self._next_plain_probe = self.step + self._plain_wait
-            self._record(Action.resume, LiveReason.probe_inconclusive, batch_size, est)
+            reason = LiveReason.probe_inconclusive
         elif self._below(est, cfg.suspend_below):
-            self._switch(False)
-            self.counters.suspend_decisions += 1
-            self._next_spec_probe = self.step + self._spec_wait
-            self._record(Action.keep, LiveReason.measured_slower, batch_size, est)
+            reason = LiveReason.measured_slower
         elif self._above(est, cfg.resume_above):  # clearly faster: probe plain less often
-            self._plain_wait = min(cfg.probe_max_after, math.ceil(self._plain_wait * cfg.probe_backoff))
-            self._next_plain_probe = self.step + self._plain_wait
-            self._record(Action.resume, LiveReason.measured_faster, batch_size, est)
+            reason = LiveReason.measured_faster
         elif est.speedup is not None and est.speedup < 1.0:
             # inside the noise but not faster: plain wins the tie (it cannot lose to plain);
             # resuming then needs a speculative probe that is clearly faster
-            self._switch(False)
+            reason = LiveReason.measured_not_faster
+        else:  # inside the noise, at or above 1: speculation stays on (hysteresis), same wait
+            reason = LiveReason.measured_tie
+        holds = reason not in (LiveReason.measured_slower, LiveReason.measured_not_faster)
+        self._send(ModeEvent.end_plain_probe, reason, speculation_holds=holds)
+        if not holds:
             self.counters.suspend_decisions += 1
             self._next_spec_probe = self.step + self._spec_wait
-            self._record(Action.keep, LiveReason.measured_not_faster, batch_size, est)
-        else:  # inside the noise, at or above 1: speculation stays on (hysteresis), same wait
-            self._next_plain_probe = self.step + self._plain_wait
-            self._record(Action.resume, LiveReason.measured_tie, batch_size, est)
+            self._record(Action.keep, reason, batch_size, est)
+            return
+        if reason is LiveReason.probe_inconclusive:
+            self.counters.probes_inconclusive += 1
+        elif reason is LiveReason.measured_faster:
+            self._plain_wait = min(cfg.probe_max_after, math.ceil(self._plain_wait * cfg.probe_backoff))
+        self._next_plain_probe = self.step + self._plain_wait
+        self._record(Action.resume, reason, batch_size, est)
 
     def _spec_probe_step(self, batch_size: int, drafted: bool, timed_spec: bool) -> None:
         # untimed callers: the probe observes acceptance, so any drafting step counts
@@ -638,33 +660,29 @@ class LiveController:
             # neither clearly faster nor clearly not: measure on, up to probe_max_steps
             # (looking every few steps, not every step: each look is a chance of a fluke)
             return
-        self._probe = None
         self.counters.evaluations += 1
+        if not usable:
+            reason = LiveReason.probe_inconclusive
+        else:
+            reason = LiveReason.probe_passed if passed else LiveReason.probe_failed
+        self._send(ModeEvent.end_spec_probe, reason, probe_passed=passed)
         if not usable:
             self.counters.probes_inconclusive += 1
             self._next_spec_probe = self.step + self._spec_wait
-            self._record(Action.suspend, LiveReason.probe_inconclusive, batch_size, est)
+            self._record(Action.suspend, reason, batch_size, est)
         elif passed:
-            self._switch(True)
             self._spec_wait = cfg.probe_after
             self._next_plain_probe = self.step + self._plain_wait
             self.counters.probes_passed += 1
             self.counters.resume_decisions += 1
-            self._record(Action.keep, LiveReason.probe_passed, batch_size, est)
+            self._record(Action.keep, reason, batch_size, est)
         else:
             # a shallower depth is a new question: its probe comes after the same wait
             if self.depth.lost_to_plain(self.step) is None:
                 self._spec_wait = min(cfg.probe_max_after, math.ceil(self._spec_wait * cfg.probe_backoff))
             self._next_spec_probe = self.step + self._spec_wait
             self.counters.probes_failed += 1
-            self._record(Action.suspend, LiveReason.probe_failed, batch_size, est)
-
-    def _switch(self, on: bool) -> None:
-        self._on = on
-        self._last_switch = self.step
-        if not on:
-            self.depth.abort()
-            self.depth.lost_to_plain(self.step)
+            self._record(Action.suspend, reason, batch_size, est)
 
     def _share(self, batch_size: int) -> None:
         """Adopt rank 0's decision (the `agree` hook); a no-op in a single process."""

@@ -16,21 +16,24 @@ import enum
 
 import msgspec
 
+from ..config import DevicePolicy
 from .cost_model import GENERIC_PRIOR, AcceptancePrior, CycleForwards, Timings, expected_tokens
 from .errors import CalibrationError, PolicyError
 from .telemetry import HardwarePrior, Regime
 
 
-class Gate(enum.StrEnum):
+class HardwareGate(enum.StrEnum):
+    """The receipt's hardware gate: what the measured device policy said of this start."""
+
     admitted = "admitted"
     disabled = "disabled"
     not_evaluated = "not_evaluated"
 
 
-class Policy(enum.StrEnum):
-    auto = "auto"
-    force_on = "force_on"
-    force_off = "force_off"
+# One enum each, under the names both layers used: the operator's policy is the config's
+# (melix_fsm.config.DevicePolicy), the gate is the one above (the receipt's field type).
+Gate = HardwareGate
+Policy = DevicePolicy
 
 
 class Reason(enum.StrEnum):

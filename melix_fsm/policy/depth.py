@@ -16,6 +16,8 @@ Rules of this module:
   smaller k.
 - Nothing here reads a clock; the caller (melix_fsm.policy.controller) feeds normalised
   throughput samples and calls `advance` once per speculative step.
+- Whether k is fixed, held or explored is the machine of spec/depth.toml (`DEPTH`): the
+  chooser changes it only by sending that file's events; k itself is data.
 """
 
 from __future__ import annotations
@@ -27,10 +29,38 @@ from typing import Literal
 
 import msgspec
 
+from ..machine import CompiledMachine
+from ..spec import load_machine
 from .errors import PolicyError
 from .throughput import PositionAcceptance, Rate
 
 AUTO_MAX_DEPTH = 4  # deeper chains rarely pay (acceptance decays geometrically per position)
+
+
+class DepthMode(enum.StrEnum):
+    """spec/depth.toml [states], in the spec's order (checked at import)."""
+
+    configured = "configured"
+    fixed = "fixed"
+    holding = "holding"
+    exploring = "exploring"
+
+
+class DepthMove(enum.StrEnum):
+    """spec/depth.toml [events], in the spec's order (checked at import)."""
+
+    fix = "fix"
+    choose = "choose"
+    explore = "explore"
+    conclude = "conclude"
+    abort = "abort"
+    rechoose = "rechoose"
+    step_down = "step_down"
+
+
+DEPTH: CompiledMachine[DepthMode, DepthMove] = CompiledMachine(
+    load_machine("depth"), DepthMode, DepthMove, frozenset()
+)
 
 
 class DepthConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -108,7 +138,9 @@ class DepthChooser:
         self.config = config or DepthConfig()
         self.rates: dict[int, Rate] = {k: Rate(decay) for k in range(1, max_k + 1)}
         self.chosen = initial_k
-        self.exploring: int | None = None
+        self.mode = DEPTH.tracker()
+        self.mode.send(DepthMove.choose if auto else DepthMove.fix)
+        self._explored = initial_k  # the neighbour a window drafts at (data of `exploring`)
         self.events: list[DepthEvent] = []
         self.explorations = 0
         self.changes = 0
@@ -118,6 +150,11 @@ class DepthChooser:
         self._explore_timed = 0
         self._explore_total = 0
         self._last_direction = 1  # so the first exploration looks down first
+
+    @property
+    def exploring(self) -> int | None:
+        """The depth an exploration window drafts at, or None outside one."""
+        return self._explored if self.mode.state is DepthMode.exploring else None
 
     @property
     def k(self) -> int:
@@ -153,7 +190,8 @@ class DepthChooser:
 
     def abort(self) -> None:
         """Speculation stopped mid-window (a suspension): drop the exploration."""
-        self.exploring = None
+        if self.mode.state is DepthMode.exploring:
+            self.mode.send(DepthMove.abort)
 
     def advance(
         self, step: int, *, timed: bool, model_cost: Callable[[int], float] | None
@@ -183,7 +221,8 @@ class DepthChooser:
         target = self._neighbour()
         if target is None:
             return None
-        self.exploring = target
+        self._explored = target
+        self.mode.send(DepthMove.explore)
         self._last_direction = target - self.chosen
         self._explore_timed = self._explore_total = 0
         self.rates[target].reset()  # the window is its own evidence
@@ -221,7 +260,7 @@ class DepthChooser:
             return None
         before = self.chosen
         self.chosen -= 1
-        self.exploring = None
+        self.mode.send(DepthMove.step_down)
         self.changes += 1
         self._wait = self.config.every
         self._next = self._spec_steps + self._wait
@@ -247,6 +286,7 @@ class DepthChooser:
         self.chosen = self.choose()
         if self.chosen == before:
             return None
+        self.mode.send(DepthMove.rechoose)
         self.changes += 1
         self._wait = self.config.every
         reason = DepthReason.measured_faster
@@ -256,7 +296,7 @@ class DepthChooser:
 
     def _finish(self, step: int) -> DepthEvent:
         explored = self.exploring
-        self.exploring = None
+        self.mode.send(DepthMove.conclude)
         before = self.chosen
         self.chosen = self.choose()
         rates = self.measured_rates()
@@ -279,6 +319,7 @@ class DepthChooser:
         self.chosen = model_choice(self.acceptance, model_cost, self.max_k, self.config.tie)
         if self.chosen == before:
             return None
+        self.mode.send(DepthMove.rechoose)
         self.changes += 1
         return self._record(step, DepthReason.model, before, self.chosen)
 

@@ -18,7 +18,7 @@ Rules of this package:
 - The receipt's JSON Schema lives in spec/receipt.schema.json; `schema_json()` rebuilds it
   and a test fails when the file is stale. Changing a field means bumping SCHEMA_ID.
 
-Modules: `schema` (the types, JSON and JSON Schema), `checks` (the typed `_Refusal` and the
+Modules: `schema` (the types, JSON and JSON Schema), `checks` (the typed `CheckRefusal` and the
 checks it is raised from), `assessment` (native MTP heads or a draft model), `resolution`
 (`resolve`, `serving_refusal`), `hardware` (`with_hardware`). The family, rollback and
 sidecar rules it applies live in melix_fsm.registry and melix_fsm.sidecar.

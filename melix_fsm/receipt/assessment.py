@@ -1,7 +1,7 @@
 """The two assessments of a speculative start: native MTP heads and a separate draft model.
 
 Each fills the receipt's fields as it learns them (family, head layout, weights found,
-cache plans) and raises `_Refusal` at the first rule the checkpoint breaks; what it
+cache plans) and raises `CheckRefusal` at the first rule the checkpoint breaks; what it
 returns is the admitted message.
 """
 
@@ -14,7 +14,7 @@ from ..reasons import RefusalReason
 from ..registry import Registry, Support
 from ..sidecar import SidecarReport
 from .checks import (
-    _Refusal,
+    CheckRefusal,
     cache_kinds,
     check_serving,
     check_vocab,
@@ -51,9 +51,9 @@ def assess_mtp(
     kinds = cache_kinds(family, ckpt)
     if family.support is Support.refused:
         assert family.refusal is not None
-        raise _Refusal(family.refusal, family.message)
+        raise CheckRefusal(family.refusal, family.message)
     if family.support is Support.no_mtp:
-        raise _Refusal(
+        raise CheckRefusal(
             RefusalReason.unsupported_model,
             f"model_type {ckpt.model_type!r} ({family.name}) has no native MTP head; "
             "use method = draft_model or none",
@@ -61,10 +61,10 @@ def assess_mtp(
     r["batch_shape"] = BatchShape.batched if family.batch_reshape else BatchShape.singleton
     key, heads, problem = int_setting(ckpt.config, family.head_count_keys, 0, MAX_HEADS)
     if problem:
-        raise _Refusal(RefusalReason.invalid_config, f"config.json: {problem}")
+        raise CheckRefusal(RefusalReason.invalid_config, f"config.json: {problem}")
     if not heads:
         shown = key or " / ".join(family.head_count_keys)
-        raise _Refusal(
+        raise CheckRefusal(
             RefusalReason.unsupported_model, f"config.json advertises no MTP head ({shown} is absent or 0)"
         )
     r["head_count"] = heads
@@ -73,7 +73,7 @@ def assess_mtp(
     if family.weights.uses_layer_count:
         lkey, value, problem = int_setting(ckpt.config, family.layer_count_keys, 1, MAX_LAYERS)
         if problem or value is None:
-            raise _Refusal(
+            raise CheckRefusal(
                 RefusalReason.invalid_config,
                 f"config.json: {problem or ' / '.join(family.layer_count_keys) + ' is absent'} "
                 "(needed to locate the head layers)",
@@ -83,25 +83,26 @@ def assess_mtp(
     r.update(head_format=scan.head_format, weights_present=scan.present, weight_count=scan.weight_count)
     r.update(layer_weight_counts=scan.layer_counts, missing_weights=scan.missing, head_files=scan.files)
     if head_only(ckpt, scan):
-        raise _Refusal(
+        raise CheckRefusal(
             RefusalReason.unvalidated_sidecar,
             "model: every tensor is a head tensor (an MTP-only sidecar checkpoint, not a model)",
         )
     if sidecar is not None:  # the head comes from a pack: only its contract admits it
         r["sidecar"] = sidecar
         if not sidecar.validated:
-            raise _Refusal(RefusalReason.unvalidated_sidecar, f"sidecar {sidecar.path}: {sidecar.failure}")
+            message = f"sidecar {sidecar.path}: {sidecar.failure}"
+            raise CheckRefusal(RefusalReason.unvalidated_sidecar, message)
         r.update(validated=True, head_format="hf", weights_present=True, head_files=list(sidecar.files))
         r.update(missing_weights=[], weight_count=sidecar.tensor_count)
     elif not scan.present:
         shown = ", ".join(scan.missing[:4]) + (" ..." if len(scan.missing) > 4 else "")
-        raise _Refusal(
+        raise CheckRefusal(
             RefusalReason.missing_head_weights,
             f"config advertises {heads} MTP head layer(s) ({key}) but the weights lack {shown}; "
             "mlx-lm conversions drop head tensors: convert from the original checkpoint",
         )
     if ckpt.quantized and not family.quantized_matmul:
-        raise _Refusal(
+        raise CheckRefusal(
             RefusalReason.unsupported_quantization, f"{family.name} heads cannot run on quantized weights"
         )
     check_serving(reg, family, kinds, context, "model")
@@ -140,7 +141,7 @@ def assess_draft(
     check_vocab(model, config.draft_model, r)
     for kind in cache_kinds(draft_family, draft):
         if reg.rollback(kind, context.quantized_kv, context.chunked_prefill).strategy != "trim":
-            raise _Refusal(
+            raise CheckRefusal(
                 RefusalReason.unsupported_cache_sharing,
                 f"draft model cache kind {kind!r}: in the head slot only trimmable KV caches roll back",
             )

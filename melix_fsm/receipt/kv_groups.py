@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ..checkpoint import Checkpoint, int_setting
 from ..reasons import RefusalReason
-from .checks import _Refusal
+from .checks import CheckRefusal
 from .schema import ServingContext
 
 LIMIT = 1 << 20  # far above any head dim / width; out-of-range values are not read as facts
@@ -44,7 +44,7 @@ def check_kv_group(ckpt: Checkpoint, context: ServingContext, role: str) -> None
         return
     dim = head_dim(ckpt)
     if dim is not None and dim % group:
-        raise _Refusal(
+        raise CheckRefusal(
             RefusalReason.unsupported_quantization,
             f"{role}: kv_group_size {group} does not divide the attention head dim {dim}; "
             "mlx quantizes each head's keys and values in groups along it",

@@ -16,7 +16,7 @@ from ..reasons import RefusalReason
 from ..registry import registry
 from ..sidecar import SidecarReport
 from .assessment import assess_draft, assess_mtp
-from .checks import _Refusal, cache_kinds, check_serving, family_of, read_model
+from .checks import CheckRefusal, cache_kinds, check_serving, family_of, read_model
 from .kv_groups import check_kv_group
 from .schema import Mode, Receipt, ServingContext
 
@@ -87,14 +87,14 @@ def resolve(
     machine.plan(ADMIT)  # fail fast on a machine that is not in `requested`
     reg = registry()
     r = _blank(model, config, context)
-    refusal: _Refusal | None = None
+    refusal: CheckRefusal | None = None
     admitted_message = ""
     try:
         if config.method is Method.draft_model:
             admitted_message = assess_draft(reg, model, config, context, r)
         else:  # none and force_off still assess, so the receipt shows what was declined
             admitted_message = assess_mtp(reg, model, config, context, r, sidecar)
-    except _Refusal as exc:
+    except CheckRefusal as exc:
         refusal = exc
     operator_off = config.method is Method.none or config.device_policy is DevicePolicy.force_off
     readable = refusal is None or refusal.reason is not RefusalReason.unreadable_checkpoint
@@ -136,12 +136,12 @@ def serving_refusal(
         ckpt = read_model(os.fspath(model_dir), "model")
         try:
             family = family_of(reg, ckpt, "model")
-        except _Refusal:  # not in the registry: only mlx's own limits apply
+        except CheckRefusal:  # not in the registry: only mlx's own limits apply
             family = None
         if family is not None:
             check_serving(reg, family, cache_kinds(family, ckpt), context, "model")
         check_kv_group(ckpt, context, "model")  # any family: mlx cannot quantize it
-    except _Refusal as exc:
+    except CheckRefusal as exc:
         if exc.reason in (RefusalReason.unsupported_quantization,):
             return exc.reason, exc.message
     return None

@@ -13,7 +13,7 @@ from typing import Literal
 import msgspec
 
 from ..config import DevicePolicy, Method, Sources
-from ..policy.decision import HardwareDecision
+from ..policy.decision import HardwareDecision, HardwareGate
 from ..policy.depth import DepthDecision
 from ..reasons import RefusalReason
 from ..registry import Chain, Concat, NormRepair, Support
@@ -27,12 +27,6 @@ class Mode(enum.StrEnum):
     accepted = "accepted"  # speculation admitted
     legacy_only = "legacy_only"  # the operator chose plain decode (method none / force_off)
     refused = "refused"  # speculation was asked for and refused with a typed reason
-
-
-class HardwareGate(enum.StrEnum):
-    admitted = "admitted"
-    disabled = "disabled"
-    not_evaluated = "not_evaluated"
 
 
 class BatchShape(enum.StrEnum):

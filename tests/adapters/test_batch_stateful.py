@@ -32,6 +32,8 @@ from melix_mlx.tiny import make_tiny
 from mlx_lm.generate import StopSequences, generate_step
 
 from melix_fsm import invariants
+from melix_fsm.machine import build_oracle
+from melix_fsm.pipeline import IN_FLIGHT, PIPELINE
 
 _ROOT = Path(tempfile.mkdtemp(prefix="melix-batch-stateful-"))
 
@@ -94,6 +96,25 @@ class FlippingController:
 
     def summary(self) -> dict:
         return {"speculating": self.speculating}
+
+
+PipelineOracle = build_oracle(PIPELINE.spec)
+
+
+def check_pipeline(engine, owner) -> None:
+    """Replay the engine pipeline's new steps into the oracle (kept on `owner`)."""
+    tracker = engine.pipeline
+    assert len(engine.in_flight) == IN_FLIGHT[tracker.state], (engine.in_flight, tracker.state)
+    oracle = getattr(owner, "_pipeline_oracle", None) or PipelineOracle()
+    seen = getattr(owner, "_pipeline_seen", 0)
+    new = tracker.sent - seen
+    assert new <= len(tracker.history)
+    for step in tracker.history[len(tracker.history) - new :]:
+        guards = {} if step.guard is None else {step.guard.lstrip("!"): not step.guard.startswith("!")}
+        assert oracle.current_state_value == step.source, step
+        oracle.send(step.event, **guards)
+        assert oracle.current_state_value == step.target, step
+    owner._pipeline_oracle, owner._pipeline_seen = oracle, tracker.sent
 
 
 def make_machine(family: str) -> type[RuleBasedStateMachine]:
@@ -174,6 +195,12 @@ def make_machine(family: str) -> type[RuleBasedStateMachine]:
         @invariant()
         def no_drafts_under_a_plain_verdict(self):
             assert self.controller.violations == []
+
+        @invariant()
+        def pipeline_is_the_spec_machine(self):
+            """The engine's queue of launched steps is as long as spec/pipeline.toml's state
+            says, and every change of it was a transition the oracle takes too."""
+            check_pipeline(self.gen.engine, self)
 
         @invariant()
         def batch_invariants_hold(self):

@@ -57,8 +57,8 @@ def test_text_table_reports_fill_beside_efficiency():
     header = next(line for line in lines if line.startswith("path"))
     names = header.split()
     batch = next(line for line in lines if line.startswith("batch")).split()
-    assert names.index("fill") == names.index("eff") + 1 and batch[names.index("fill")] == "0.84"
-    assert batch[names.index("eff")] == "0.80"
+    assert names.index("fill") == names.index("of-ideal") + 1 and batch[names.index("fill")] == "0.84"
+    assert batch[names.index("of-ideal")] == "0.80"
 
 
 def test_the_report_says_whether_batch_cells_were_a_fixed_batch_or_continuous_batching():
@@ -80,7 +80,7 @@ def test_the_aa_range_is_reported_beside_the_spread():
     text = table(_results()).splitlines()
     columns = next(line for line in text if line.startswith("path")).split()
     row = next(line for line in text if line.startswith("batch")).split()
-    assert row[columns.index("a/a")] == "0.91-1.04"
+    assert row[columns.index("A/A")] == "0.91-1.04"
 
 
 def test_the_prompt_phase_ratio_is_a_column_of_both_tables():
@@ -93,3 +93,56 @@ def test_the_prompt_phase_ratio_is_a_column_of_both_tables():
     columns = next(line for line in text if line.startswith("path")).split()
     row = next(line for line in text if line.startswith("batch")).split()
     assert row[columns.index("prompt")] == "0.93"
+
+
+def _rows(text: str) -> tuple[list[str], dict[str, list[str]]]:
+    lines = text.splitlines()
+    names = next(line for line in lines if line.startswith("path")).split()
+    paths = ("batch", "single", "draft")
+    rows = {line.split()[0]: line.split() for line in lines if line.split()[0] in paths}
+    return names, rows
+
+
+def test_text_headers_are_readable_words_explained_by_the_legend():
+    text = table(_results())
+    names, rows = _rows(text)
+    for cryptic in ("a/a", "eff", "adepth", "a/best", "base", "ratio"):
+        assert cryptic not in names
+    legend = text[text.index("legend:") :]
+    for name in names[6:]:  # every measured column after the sizes and rates is explained
+        assert f"{name}:" in legend or f"{name}," in legend, name
+    assert all(len(row) >= len(names) for row in rows.values())  # columns line up with the header
+
+
+def test_a_speedup_inside_its_aa_range_or_with_a_poisoned_calibration_is_flagged_in_place():
+    results = _results()
+    names, rows = _rows(table(results))
+    check = names.index("check")
+    assert rows["batch"][check] == "ok" and "warning" not in table(results)
+    results["cells"][0]["ratio"] = 1.0  # inside its A/A range 0.91-1.04: indistinguishable from noise
+    results["cells"][0]["aa_ratios"] = [0.5, 1.04]  # and the machine moved mlx-lm by itself
+    names, rows = _rows(table(results))
+    assert rows["batch"][check] == "noise,noisy" and rows["single"][check] == "-"
+    assert "warning: 1 of 2 speedups are not trustworthy" in table(results)
+    results["calibration"] = {"2": {"error": "measurement_poisoned", "detail": "spread"}}
+    names, rows = _rows(table(results))
+    assert rows["batch"][check] == "noise,noisy,poisoned" and rows["single"][check] == "poisoned"
+    assert "warning: 2 of 2 speedups" in table(results) and "warning: 2 of 2" in markdown(results)
+    lines = [line for line in markdown(results).splitlines() if line.startswith("|")]
+    header, batch = lines[-5], lines[-3]
+    md_names = [c.strip() for c in header.strip("|").split("|")]
+    assert batch.strip("|").split("|")[md_names.index("check")].strip() == "noise,noisy,poisoned"
+
+
+def test_an_aa_control_far_from_one_is_noisy_even_when_narrow():
+    results = _results()
+    results["cells"][0]["aa_ratios"] = [1.21, 1.36]  # mlx-lm 20-36% faster than itself: the machine moved
+    names, rows = _rows(table(results))
+    assert rows["batch"][names.index("check")] == "noisy"
+
+
+def test_a_timed_out_calibration_is_not_called_poisoned():
+    results = _results()
+    results["calibration"] = {"2": {"error": "measurement_timeout", "detail": "budget"}}
+    names, rows = _rows(table(results))
+    assert rows["batch"][names.index("check")] == "ok"

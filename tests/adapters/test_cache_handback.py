@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from decode_refs import mtp, reference
 from melix_mlx.batch_generator import MTPBatchGenerator
-from melix_mlx.engine import CycleEngine, RowPlan
+from melix_mlx.engine import CycleEngine
+from melix_mlx.engine_records import RowPlan
 from melix_mlx.hidden import main_parts
 from melix_mlx.sampling import SamplingParams
 from melix_mlx.tiny import FAMILIES

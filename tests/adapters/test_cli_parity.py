@@ -33,7 +33,7 @@ KV = {"kv_bits", "kv_group_size", "quantized_kv_start"}  # mlx-lm's own names
 DECODE = KV | {"max_kv_size", "prefill_step_size", "max_tokens"}
 SAMPLING = {"temp", "top_p", "seed"}  # make_sampler / mx.random.seed, as mlx-lm's CLI
 DISTRIBUTED = {"sharding"}  # melix_mlx.distributed.load_sharded(model_dir, sharding, ...)
-CLI_ONLY = {"help", "model", "prompt", "prompts_file", "json", "stagger", "run"}
+CLI_ONLY = {"help", "model", "prompt", "prompts_file", "json", "receipt", "stagger", "run"}
 LOADING = {"mtp_sidecar": "sidecar"}  # CLI dest -> load_with_heads keyword
 
 

@@ -67,10 +67,17 @@ def test_generate_decodes_plainly_with_receipt(llama_dir, sidecar_dir, which, me
     else:
         assert receipt["mode"] == "legacy_only" and reason in receipt["message"]
         assert result["stats"]["refusal_reason"] == "operator_disabled"
-    # without --json: text on stdout, the same receipt as one JSON line on stderr
-    assert main(argv) == 0
+    # without --json: text on stdout, with --receipt the same receipt as one JSON line on stderr
+    assert main([*argv, "--receipt"]) == 0
     captured = capsys.readouterr()
     assert _stderr_receipt(captured.err) == receipt and "Traceback" not in captured.err
+    # without --receipt: a one-line summary instead, saying it decoded plainly and why
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert RECEIPT_PREFIX not in err
+    summary = err.splitlines()[-1]
+    assert summary.startswith("melix-fsm generate: plain decode (")
+    assert f"{len(result['tokens'])} tokens" in summary
 
 
 def test_explicit_mtp_on_a_headless_model_exits_3(llama_dir, capsys) -> None:
@@ -82,7 +89,7 @@ def test_explicit_mtp_on_a_headless_model_exits_3(llama_dir, capsys) -> None:
 
 def test_receipt_printed_on_an_admitted_start(capsys) -> None:
     argv = ["generate", "--model", "stdlib-tiny", "--prompt", PROMPT, "--max-tokens", "4"]
-    assert main([*argv, "--device-policy", "force_on"]) == 0
+    assert main([*argv, "--device-policy", "force_on", "--receipt"]) == 0
     receipt = _stderr_receipt(capsys.readouterr().err)
     assert receipt["mode"] == "accepted" and receipt["hardware_gate"] == "admitted"
 

@@ -71,9 +71,47 @@ def test_diagram_covers_every_transition() -> None:
 
 
 def test_svg_only_with_graphviz(tmp_path: Path) -> None:
-    assert main(["diagram", "--format", "svg", "--out", str(tmp_path)]) == 0
+    import shutil
+
+    status = main(["diagram", "--format", "svg", "--out", str(tmp_path)])
     svg = tmp_path / diagrams.LIFECYCLE_SVG
-    if diagrams.render_svg() is None:
-        assert not svg.exists()
+    if shutil.which("dot") is None:  # asked for the SVG alone: a usage error, nothing written
+        assert status == 2 and not svg.exists()
     else:
-        assert b"<svg" in svg.read_bytes()
+        assert status == 0 and b"<svg" in svg.read_bytes()
+
+
+# -- copies embedded in pages (README.md, docs/) ------------------------------------------------
+
+
+def _page(body: str) -> str:
+    block = f"<!-- melix-fsm diagram: controller.mmd -->\n{body}\n<!-- /melix-fsm diagram -->"
+    return f"# Title\n\n{block}\n\nafter\n"
+
+
+def test_an_embedded_copy_is_checked_and_rewritten(tmp_path: Path) -> None:
+    from melix_fsm import diagram_copies
+    from melix_fsm.commands.diagram import _render_copy
+
+    (tmp_path / "docs").mkdir()
+    stale = _page("```mermaid\nstateDiagram-v2\n    on --> off : nothing\n```")
+    (tmp_path / "README.md").write_text(stale)
+    (tmp_path / "docs" / "page.md").write_text("no diagram here\n")
+    assert diagram_copies.stale_pages(tmp_path, _render_copy) == [tmp_path / "README.md"]
+    assert diagram_copies.write_pages(tmp_path, _render_copy) == [tmp_path / "README.md"]
+    fresh = (tmp_path / "README.md").read_text()
+    assert diagrams.TEXT_RENDERERS["controller.mmd"]().rstrip("\n") in fresh
+    assert fresh.startswith("# Title\n") and fresh.endswith("\nafter\n")
+    assert diagram_copies.stale_pages(tmp_path, _render_copy) == []
+
+
+def test_a_bad_embedded_block_names_the_page() -> None:
+    from melix_fsm import diagram_copies
+    from melix_fsm.commands.diagram import _render_copy
+    from melix_fsm.errors import SpecError
+
+    with pytest.raises(SpecError, match="unknown diagram"):
+        diagram_copies.refresh(_page("").replace("controller.mmd", "nope.mmd"), _render_copy, "P.md")
+    with pytest.raises(SpecError, match="not closed"):
+        unclosed = "<!-- melix-fsm diagram: lifecycle.mmd -->\n```mermaid\n"
+        diagram_copies.refresh(unclosed, _render_copy, "P.md")

@@ -3,7 +3,15 @@
 The core finds them through the `melix_fsm.commands` entry point (pyproject.toml), which
 names this package; a new command is one module here plus one line below. Listed in the
 order `melix-fsm --help` shows them.
+
+Besides COMMAND_MODULES the core reads (melix_fsm.cli):
+- REQUIRES / DEFAULT_REQUIRES: the modules each command imports beyond the core, with
+  the extra that installs them, checked before the command runs;
+- resolve_model: the embedded checkpoints' names, so core commands (`receipt`) accept
+  them too. Importing melix_mlx.checkpoints is cheap (no mlx).
 """
+
+from melix_mlx.checkpoints import resolve_model
 
 COMMAND_MODULES: tuple[str, ...] = (
     "melix_mlx.commands.generate",
@@ -14,3 +22,13 @@ COMMAND_MODULES: tuple[str, ...] = (
     "melix_mlx.commands.convert",
     "melix_mlx.commands.qa",
 )
+
+# (module, extra of melix-fsm that installs it); tests/registry check them against pyproject.toml
+DEFAULT_REQUIRES: tuple[tuple[str, str], ...] = (("mlx", "mlx"), ("mlx_lm", "mlx"))
+REQUIRES: dict[str, tuple[tuple[str, str], ...]] = {
+    "serve": DEFAULT_REQUIRES + (("prometheus_client", "serve"),),
+    "bench": DEFAULT_REQUIRES + (("matplotlib", "bench"),),  # tqdm is optional: plain lines without it
+    "qa": DEFAULT_REQUIRES + (("hypothesis", "qa"),),
+}
+
+__all__ = ["COMMAND_MODULES", "DEFAULT_REQUIRES", "REQUIRES", "resolve_model"]

@@ -9,7 +9,10 @@ Rules of this module:
   and the Python host thread need the other cores, and with every core oversubscribed
   a 12-row matmul measured 20x its median now and then (batched verifies hit that size
   and plain steps do not), which made batched ratios both noisy and biased.
-- Results go to OUT/bench-<regime>.json and .md, a text table to stdout, the plot to OUT/bench.png.
+- Results go to OUT/bench-<regime>.json and .md, a text table to stdout, the plot to OUT/bench.png;
+  OUT is --out, else the cache directory's bench/ (melix_fsm.commands.paths), never the
+  working directory. The last line names it.
+- Progress on stderr (melix_fsm.commands.progress): a bar on a terminal, plain lines in a log.
 - mlx is imported inside `run` only. Exit 0 ok, 2 usage error, 3 the model refused MTP.
 """
 
@@ -34,9 +37,18 @@ def register(subparsers: Any) -> None:
         description="Side-by-side tokens/s ratios with acceptance, forwards per token, memory and "
         "the cost model's prediction. Opt-in: it takes minutes.",
     )
-    p.add_argument("--model", type=Path, default=None,
-                   help="directory or embedded name (stdlib-tiny, stdlib-hybrid); default: stdlib-tiny")
-    p.add_argument("--draft-model", type=Path, default=None, help="default: the embedded draft model")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="directory or embedded name (stdlib-tiny, stdlib-hybrid); default: stdlib-tiny",
+    )
+    p.add_argument(
+        "--draft-model",
+        type=Path,
+        default=None,
+        help="directory or embedded name; default: stdlib-tiny-draft",
+    )
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--temps", type=float, nargs="+", default=[0.0, 0.7])
@@ -56,7 +68,10 @@ def register(subparsers: Any) -> None:
         "this machine moves a ratio by itself); saves about a quarter of the run",
     )
     p.add_argument("--regime", choices=["current", "reference", "openblas", "both"], default="current")
-    p.add_argument("--out", type=Path, default=Path("bench-results"))
+    p.add_argument(
+        "--out", type=Path, default=None, metavar="DIR",
+        help="results directory (default: $MELIX_FSM_CACHE/bench, else ~/.cache/melix-fsm/bench)",
+    )  # fmt: skip
     p.add_argument(
         "--prompts",
         type=Path,
@@ -64,7 +79,7 @@ def register(subparsers: Any) -> None:
         help="your own prompts: a JSON list of strings or blank-line-separated blocks "
         "(default: held-out text per workload: code, prose, structured)",
     )
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress on stderr")
     p.add_argument("--tag", default=None, help=argparse.SUPPRESS)  # set by the parent for its children
     p.set_defaults(run=run)
 
@@ -121,14 +136,23 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.model is None:
-        args.model = EMBEDDED / "stdlib-tiny"
-    else:
-        from melix_mlx.checkpoints import resolve_model
+    from melix_mlx.checkpoints import resolve_model
 
-        args.model = resolve_model(args.model)
-    if args.draft_model is None and (EMBEDDED / "stdlib-tiny-draft" / "config.json").exists():
+    args.model = EMBEDDED / "stdlib-tiny" if args.model is None else resolve_model(args.model)
+    if args.draft_model is not None:
+        args.draft_model = resolve_model(args.draft_model)
+    elif (EMBEDDED / "stdlib-tiny-draft" / "config.json").exists():
         args.draft_model = EMBEDDED / "stdlib-tiny-draft"
+    for flag, path in (("--model", args.model), ("--draft-model", args.draft_model)):
+        if path is not None and not Path(path).is_dir():  # before minutes of loading and measuring
+            print(
+                f"melix-fsm bench: error: {flag} {path}: no such directory or embedded name", file=sys.stderr
+            )
+            return 2
+    if args.out is None:
+        from melix_fsm.commands.paths import default_output
+
+        args.out = default_output("bench")
     args.out.mkdir(parents=True, exist_ok=True)
     from melix_mlx.bench_report import markdown, plot, table
 
@@ -172,4 +196,5 @@ def run(args: argparse.Namespace) -> int:
         print(table(data))
         (args.out / f"bench-{name}.md").write_text(markdown(data) + "\n")
     print(f"plot: {plot(results, args.out / 'bench.png')}")
+    print(f"results: {args.out}")
     return 0

@@ -15,6 +15,8 @@ Rules of this module:
   valid answer), 3 a typed refusal (the head cannot be loaded, or the measurement failed,
   timed out or was poisoned, batch sizes clashing included; the decision printed says
   which), 2 usage error.
+- Progress on stderr (melix_fsm.commands.progress): loading, then one step per batch
+  size; a bar on a terminal, plain lines in a log, nothing with --no-progress.
 - Do not run it beside a serving process: competing forwards poison the samples.
 """
 
@@ -61,6 +63,7 @@ def register(subparsers: Any) -> None:
         "--max-spread", type=float, default=DEFAULT_MAX_SPREAD, help="refuse samples noisier than this"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--no-progress", action="store_true", help="no progress on stderr")
     parser.set_defaults(run=run)
 
 
@@ -82,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
     import msgspec
 
+    from melix_fsm.commands.progress import Progress
     from melix_fsm.policy.calibration import measure, out_of_order
     from melix_fsm.policy.cost_model import CycleForwards, TimingTable, acceptance_prior, replay_rate
     from melix_fsm.policy.decision import decide
@@ -93,9 +97,12 @@ def run(args: argparse.Namespace) -> int:
     from ..errors import HeadLoadError
     from ..loading import load_with_heads
 
+    progress = Progress(len(args.batch_size), "calibrate", unit="size", enabled=not args.no_progress)
+    progress.note("loading the model")
     try:
         model, _tokenizer, head, info = load_with_heads(args.model)
     except HeadLoadError as exc:
+        progress.close()
         print(f"melix-fsm calibrate: {exc.reason}: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     dtype = model_dtype(model)
@@ -106,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     # Each batch size is measured on its own, so one poisoned size does not hide the others.
     results: list[Any] = []
     for B in args.batch_size:
+        progress.note(f"timing B={B}")
         try:
             fns = build_forwards(model, head, batch_size=B, k=k)
             results.append(
@@ -124,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
             results.append(exc)
         except Exception as exc:  # building the forwards failed: a typed refusal, not a crash
             results.append(CalibrationError("measurement_failed", f"B={B}: {type(exc).__name__}: {exc}"))
+        progress.update(1)
+    progress.close()
     # every forward a cycle runs is priced: a restore-and-replay decoder re-runs the kept
     # tokens of recurrent layers on every cycle that rejects a draft (batch-wide)
     replays = replays_on_reject(model)

@@ -25,7 +25,7 @@ def register(subparsers: Any) -> None:
         description="Convert HF_DIR into OUT_DIR (must be absent or empty). "
         "Exit 0 ok, 2 usage error or unreadable input, 3 head refused with a typed reason.",
     )
-    parser.add_argument("hf_dir", metavar="HF_DIR")
+    parser.add_argument("hf_dir", metavar="HF_DIR", help="checkpoint directory or embedded name")
     parser.add_argument("out_dir", metavar="OUT_DIR")
     parser.add_argument("-q", "--quantize", action="store_true", help="quantize the main model")
     parser.add_argument("--q-bits", type=int, default=4, metavar="B")
@@ -34,12 +34,13 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from melix_mlx.checkpoints import resolve_model
     from melix_mlx.convert import convert
     from melix_mlx.errors import HeadLoadError
 
     try:
         out = convert(
-            args.hf_dir,
+            resolve_model(args.hf_dir),
             args.out_dir,
             quantize=args.quantize,
             q_bits=args.q_bits,

@@ -2,9 +2,11 @@
 
 Rules of this module:
 - The receipt (melix_fsm.receipt.resolve) is resolved BEFORE any weight is loaded, and
-  its lifecycle machine is the sequence's machine for a single prompt. Every start
-  prints it: in every JSON result with --json, else as one JSON line on stderr
-  (`melix-fsm generate: receipt: {...}`), completed with the measured hardware gate.
+  its lifecycle machine is the sequence's machine for a single prompt. With --json it is
+  in every JSON result; with --receipt it is also one JSON line on stderr (`melix-fsm
+  generate: receipt: {...}`), completed with the measured hardware gate. Without --json
+  the run ends with a one-line summary on stderr (method, k, tokens/s, acceptance, the
+  speedup over plain where the policy estimates one; melix_mlx.commands.generate_summary).
 - Options: every `melix-fsm receipt` option is accepted here with the same meaning
   (melix_fsm.commands.options), plus mlx-lm's decode options (`--kv-bits`,
   `--kv-group-size`, `--quantized-kv-start`, `--max-kv-size`, `--prefill-step-size`).
@@ -40,6 +42,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +78,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--temp", type=float, default=0.0, metavar="T")
     parser.add_argument("--top-p", type=float, default=0.0, metavar="P")
     parser.add_argument("--seed", type=int, default=None, metavar="S")
-    parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    parser.add_argument("--json", action="store_true", help="one JSON object per prompt (with its receipt)")
+    parser.add_argument(
+        "--receipt", action="store_true", help="also print the full receipt as one JSON line on stderr"
+    )
     parser.add_argument("--stagger", type=int, default=0, metavar="N", help="insert one prompt every N steps")
     parser.add_argument(
         "--mtp-sidecar", default=None, metavar="DIR",
@@ -111,13 +117,6 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def cache_dir() -> Path:
-    if os.environ.get("MELIX_FSM_CACHE"):
-        return Path(os.environ["MELIX_FSM_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "melix-fsm"
-
-
 def _model_dir(args: argparse.Namespace) -> tuple[Path, str]:
     """(checkpoint dir, source): explicit, embedded, or the recorded random fallback."""
     if args.model is not None:
@@ -126,6 +125,7 @@ def _model_dir(args: argparse.Namespace) -> tuple[Path, str]:
         return resolve_model(args.model), "explicit"
     if (EMBEDDED_CHECKPOINT / "config.json").is_file():
         return EMBEDDED_CHECKPOINT, "embedded"
+    from melix_fsm.commands.paths import cache_dir
     from melix_mlx.tiny import make_tiny
 
     target = cache_dir() / f"tiny-{FALLBACK_FAMILY}"
@@ -268,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
 
     import mlx.core as mx
 
+    from melix_mlx.activation import draft_budget
     from melix_mlx.sampling import make_sampler
 
     from .generate_decode import decode_batched, decode_single
@@ -286,15 +287,13 @@ def run(args: argparse.Namespace) -> int:
         if not activation.decision.speculate:
             note = activation.receipt.message
             print(f"{PROG}: note: {note}; decoding plainly unless the policy resumes", file=sys.stderr)
-    if not args.json:  # every start shows its receipt
+    if args.receipt:  # else the summary line below (and --json results) say how it decoded
         print(f"{PROG}: receipt: {json.dumps(receipt_data, separators=(',', ':'))}", file=sys.stderr)
 
     if args.seed is not None:
         mx.random.seed(args.seed)
     sampler = make_sampler(temp=args.temp, top_p=args.top_p)
-    k = config.num_draft_tokens
-    if k == "auto":  # the decoders draft up to the deepest k the controller may choose
-        k = controller.depth.max_k if controller is not None else 1
+    k = draft_budget(config, controller)
     common = {
         "model": str(model_dir),
         "model_source": model_source,
@@ -303,6 +302,7 @@ def run(args: argparse.Namespace) -> int:
         "receipt": receipt_data,
         "head_load_error": load_error,
     }
+    started = time.perf_counter()
     try:
         if not batched:
             single = decode_single(
@@ -313,6 +313,7 @@ def run(args: argparse.Namespace) -> int:
             results = decode_batched(model, tokenizer, head, prompts, args, k, sampler, refusal, controller)
     except (ValueError, NotImplementedError) as exc:  # an option mlx / mlx-lm reject at decode time
         return _fail(f"decoding failed: {type(exc).__name__}: {exc}")
+    wall_s = time.perf_counter() - started
     common["depth"] = controller.k if controller is not None else None  # where the policy left k
     for i, result in enumerate(results):
         if args.json:
@@ -320,6 +321,10 @@ def run(args: argparse.Namespace) -> int:
         elif len(results) > 1:
             print(result["text"])
     sys.stdout.flush()
+    if not args.json:
+        from .generate_summary import summary
+
+        print(summary(PROG, results, common, wall_s), file=sys.stderr)
     return EXIT_OK
 
 

@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 
-class _SharedRefs:
+class SharedRefs:
     """Plain holder: attributes that are not arrays or Modules stay out of the tree."""
 
     def __init__(self, embed: nn.Module, lm_head: Callable[[mx.array], mx.array]) -> None:
@@ -36,7 +36,7 @@ class MTPHeadBase(nn.Module):
 
     def __init__(self, embed_tokens: nn.Module, lm_head: Callable[[mx.array], mx.array]):
         super().__init__()
-        self._shared = _SharedRefs(embed_tokens, lm_head)
+        self._shared = SharedRefs(embed_tokens, lm_head)
 
     @classmethod
     def from_model(cls, model: nn.Module, *, own_lm_head: bool = False) -> MTPHeadBase:
