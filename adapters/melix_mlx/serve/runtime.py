@@ -53,6 +53,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.server import GenerationContext, ResponseGenerator
 
 from melix_fsm import lifecycle as lc
+from melix_fsm.batch import Operation
 from melix_fsm.errors import MelixError
 from melix_fsm.lifecycle import Signal
 
@@ -261,7 +262,7 @@ class ServingBatchGenerator(MTPBatchGenerator):
         uids = list(self.batch.uids)
         with contextlib.suppress(Exception):  # rows may be mid-cycle; they leave regardless
             ended = Signal(event=lc.FINISH.event, reason=f"error: {exc}")
-            self._apply_signals("finish", {uid: ended for uid in uids})
+            self._apply_signals(Operation.finish, {uid: ended for uid in uids})
         if self._ahead is not None:  # a step launched ahead is undone before the rows go
             with contextlib.suppress(RuntimeError):
                 self.engine.abandon(self._ahead)
