@@ -81,8 +81,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--max-tokens-limit", type=int, default=1 << 16, metavar="N", help="the largest max_tokens accepted"
     )
+    from melix_mlx.serve.limits import ServeLimits  # no mlx
+
+    defaults = ServeLimits()
     for flag, field, kind, text in LIMIT_FLAGS:
-        parser.add_argument(flag, dest=field, type=kind, default=None, metavar="N", help=text)
+        default = getattr(defaults, field)
+        shown = f"{text} (default {default:g})" if default is not None else text
+        parser.add_argument(flag, dest=field, type=kind, default=None, metavar="N", help=shown)
     parser.add_argument(
         "--api-key", default=None,
         help=f"require this Bearer token on every route but /health (or ${API_KEY_ENV})",
