@@ -134,3 +134,19 @@ def test_a_request_past_its_deadline_is_cancelled(served: Any) -> None:
         assert wait_until(lambda: metric(running.url, "melix_requests_in_flight") == 0, timeout=30)
         assert metric(running.url, "melix_requests_total{state=cancelled}") == 1
         assert client(running.url).completions.create(model="stdlib-tiny", prompt="A", max_tokens=2).choices
+
+
+def test_chunking_keeps_the_system_prompt_a_reusable_prefix(url: str, served: Any) -> None:
+    """Chunk ends are not segment ends: the real one (after the system prompt) is still
+    stored, so another question under the same long system prompt starts from it."""
+    system = long_prompt(served, "You answer in the voice of an old sailor.", 8 * CHUNK)
+    chat = client(url).chat.completions
+
+    def ask(question: str) -> Any:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        return chat.create(model="stdlib-tiny", messages=messages, max_tokens=2, temperature=0)
+
+    first = ask("Where is the ship?")
+    second = ask("Who is the captain of the ship today?")
+    assert first.usage.prompt_tokens > 8 * CHUNK
+    assert second.usage.prompt_tokens_details.cached_tokens >= 7 * CHUNK  # the system prompt's prefix
