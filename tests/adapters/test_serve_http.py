@@ -305,3 +305,21 @@ def test_the_connection_cap_answers_503_in_the_one_shape(served: Any) -> None:
             for sock in idle:
                 sock.close()
         assert wait_until(lambda: raw(running.url, "GET", "/v1/models")[0] == 200, timeout=20)
+
+
+def test_malformed_http_gets_a_400_in_the_one_shape(url: str) -> None:
+    import socket
+
+    from serve_helpers import host_port
+
+    endless_head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000  # past h11's 16 KiB, unended
+    for request in (b"GARBAGE\r\n\r\n", endless_head):
+        with socket.create_connection(host_port(url), timeout=10) as sock:
+            sock.sendall(request)
+            reply = b""
+            while chunk := sock.recv(4096):
+                reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400"), head[:80]
+        assert_error_shape(json.loads(body))
+    assert healthy(url)

@@ -7,7 +7,8 @@ Rules:
   response), or it is closed. The body has its own deadline in the route.
 - uvicorn's `limit_concurrency` answers a text/plain 503; the same cap (open connections
   or running requests) is checked here instead and answered with the one error shape
-  (melix_mlx.serve.errors), `Retry-After` and `Connection: close`.
+  (melix_mlx.serve.errors), `Retry-After` and `Connection: close`. A request h11 cannot
+  parse (a malformed or oversized head) gets its 400 in that shape too.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 import json
 from typing import Any
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .errors import error_body
@@ -79,6 +81,15 @@ class HeadTimeoutProtocol(H11Protocol):
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self._disarm()  # the keep-alive timer covers the idle time until the next byte
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps(error_body(400, f"malformed HTTP request: {msg}", code="bad_http")).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        start = h11.Response(status_code=400, headers=headers, reason=b"Bad Request")
+        for event in (start, h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def connection_lost(self, exc: Any) -> None:
         self._disarm()
