@@ -39,4 +39,5 @@ def scrub(value: Any, replacements: dict[str, str]) -> Any:
                 value = value.replace(old, new)
         if os.path.isabs(value) and "\n" not in value:
             return os.path.basename(os.path.normpath(value))
+        return redact(value)  # a path inside a message
     return value
