@@ -96,6 +96,8 @@ def test_logit_bias_inside_the_vocabulary_acts(url: str) -> None:
         ({"stop": [str(i) for i in range(17)]}, "stop"),
         ({"stop": "x" * 257}, "stop"),
         ({"top_logprobs": 12}, "top_logprobs"),
+        ({"top_k": 1024, "temperature": 1}, "top_k"),
+        ({"xtc_probability": 0.5, "xtc_threshold": 0.6}, "xtc_threshold"),
         ({"temperature": float("nan")}, "temperature"),
         ({"num_draft_tokens": 7}, "num_draft_tokens"),
         ({"adapters": "/tmp/x"}, "adapters"),
@@ -115,6 +117,23 @@ def test_empty_messages_and_empty_chat_are_400(url: str) -> None:
     for messages in ([], [{"content": "no role"}], [{"role": "user", "content": 5}]):
         status, _, payload = post_json(url, "/v1/chat/completions", {"messages": messages})
         assert status == 400 and payload["error"]["param"] == "messages", payload
+
+
+@pytest.mark.parametrize(
+    "content",
+    [[1, 2], [{"type": "foo"}], [{"type": "text", "text": 5}],
+     [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}]],
+)
+def test_content_parts_other_than_text_are_400(url: str, content: Any) -> None:
+    """[1, 2] used to kill mlx-lm's generation loop (it reads parts outside its guard)."""
+    messages = [{"role": "user", "content": content}]
+    status, _, payload = post_json(url, "/v1/chat/completions", {"messages": messages})
+    assert status == 400 and payload["error"]["param"] == "messages", payload
+    assert healthy(url)
+    text_part = [{"type": "text", "text": "Tell me a story"}]
+    status, _, payload = post_json(url, "/v1/chat/completions",
+                                   {"messages": [{"role": "user", "content": text_part}], "max_tokens": 2})
+    assert status == 200, payload
 
 
 @pytest.mark.parametrize(

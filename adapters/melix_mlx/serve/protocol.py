@@ -7,8 +7,10 @@ Rules of this module:
   unchecked field): `logit_bias` keys are integers inside the vocabulary and at most
   `max_logit_bias` of them, values finite; `max_tokens` within the server's limit; `n`
   only 1; stop sequences strings, at most `max_stop`; an empty prompt or no messages is
-  refused; `model` names the served model (or mlx-lm's "default_model"); client-chosen
-  adapters and draft models are refused. Every refusal is an `ApiError` naming the field.
+  refused; a message's content is a string or text parts (mlx-lm's loop dies of other
+  parts: it reads them outside its guard); `model` names the served model (or mlx-lm's
+  "default_model"); client-chosen adapters and draft models are refused. Every refusal
+  is an `ApiError` naming the field.
 - The prompt-token limit needs the tokenized prompt: the generation thread checks it
   (melix_mlx.serve.runtime) before any prefill.
 """
@@ -138,16 +140,26 @@ def completion_request(body: dict, chat: bool, limits: ServeLimits) -> ServedReq
     for m in messages:
         if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
             raise ApiError(400, "each message must be an object with a string role", param="messages")
-        content = m.get("content")
-        if content is not None and not isinstance(content, str | list):
-            raise ApiError(400, "a message's content must be a string or a list of parts", param="messages")
+        _content(m.get("content"))
     tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise ApiError(400, "tools must be a list", param="tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ApiError(400, "tools must be a list of objects", param="tools")
     mapping = body.get("role_mapping")
     if mapping is not None and not isinstance(mapping, dict):
         raise ApiError(400, "role_mapping must be an object", param="role_mapping")
     return ServedRequest("chat", "", messages, tools or None, mapping, limits.max_prompt_tokens or 0)
+
+
+def _content(content: Any) -> None:
+    """A message's content: a string, or text parts (this server takes no images)."""
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise ApiError(400, "a message's content must be a string or a list of parts", param="messages")
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ApiError(400, "content parts must be text parts ({\"type\": \"text\", \"text\": ...})",
+                           param="messages")
 
 
 def parse(
@@ -179,10 +191,10 @@ def parse(
     sampling = SamplingArguments(
         temperature=_typed(body, "temperature", (float, int), defaults.temperature, 0),
         top_p=_typed(body, "top_p", (float, int), defaults.top_p, 0, 1),
-        top_k=_typed(body, "top_k", int, defaults.top_k, 0),
+        top_k=_typed(body, "top_k", int, defaults.top_k, 0, vocab - 1),  # mlx-lm's sampler: below vocab
         min_p=_typed(body, "min_p", (float, int), defaults.min_p, 0, 1),
         xtc_probability=_typed(body, "xtc_probability", (float, int), 0.0, 0, 1),
-        xtc_threshold=_typed(body, "xtc_threshold", (float, int), 0.1, 0, 1),
+        xtc_threshold=_typed(body, "xtc_threshold", (float, int), 0.1, 0, 0.5),  # mlx-lm's apply_xtc
     )
     logits = LogitsProcessorArguments(
         logit_bias=logit_bias(body.get("logit_bias"), vocab, limits.max_logit_bias),

@@ -28,6 +28,8 @@ Rules of this module:
   built just before, in the same generation thread). A finishing row writes its
   speculative usage into the context before mlx-lm queues its last response, so the
   HTTP side finds it on the context when the response ends.
+- If mlx-lm's loop itself raises (it would die, and the server with it), the requests it
+  held get the exception, its batch generator is closed, and a fresh loop serves on.
 - Failures stay with their request: an insertion that raises fails its request only; each
   row's logits processors are guarded, so one that raises records the failure and the
   batched step completes for the other rows; a request whose prefill raises is dropped
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import types
 from dataclasses import dataclass
@@ -49,7 +52,6 @@ from queue import Queue
 from typing import Any
 
 from mlx_lm.generate import PromptProcessingBatch
-from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.server import GenerationContext, ResponseGenerator
 
 from melix_fsm import lifecycle as lc
@@ -59,6 +61,7 @@ from melix_fsm.lifecycle import Signal
 
 from ..batch_generator import MTPBatchGenerator
 from .chunks import split_segments
+from .plain_path import PartialHits
 from .usage import PLAIN_PATH_REASON, speculative_usage
 
 
@@ -120,32 +123,6 @@ class AsyncResponseQueue:
             self.cancelled.set()
             if self.ctx is not None:
                 self.ctx.stop()
-
-
-class PartialHits:
-    """The prompt cache as mlx-lm's plain path needs it: a hit leaves a token to feed.
-
-    mlx-lm's `_serve_single` fails on a prompt its cache holds entirely (nothing left to
-    prefill); the batched path gives the last token back (melix_mlx.batch_surface), and
-    so does this view: the (deep-copied) cache is trimmed by one, or not used."""
-
-    def __init__(self, shared: Any) -> None:
-        self.shared = shared
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.shared, name)
-
-    def __len__(self) -> int:
-        return len(self.shared)
-
-    def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
-        cache, rest = self.shared.fetch_nearest_cache(model, tokens)
-        if cache is None or len(rest) or not tokens:
-            return cache, rest
-        if not can_trim_prompt_cache(cache):
-            return None, tokens
-        trim_prompt_cache(cache, 1)
-        return cache, tokens[-1:]
 
 
 class ServingBatchGenerator(MTPBatchGenerator):
@@ -345,7 +322,34 @@ class ServingResponseGenerator(ResponseGenerator):
         return {"BatchGenerator": self._make_batch_generator, "GenerationContext": self._batched_context}
 
     def _generate(self) -> None:
-        self._loop(self)
+        while not self._stop:
+            try:
+                self._loop(self)
+                return
+            except Exception as exc:  # mlx-lm's loop died: its requests fail, a fresh loop serves on
+                logging.exception("the generation loop failed; its requests fail and it restarts")
+                self._fail_in_flight(exc)
+
+    def _next_request(self, timeout: float | None = None) -> Any:
+        request = super()._next_request(timeout)
+        if request is not None:
+            self._taken = request[0]  # the response queue of the request the loop works on
+        return request
+
+    def _fail_in_flight(self, exc: BaseException) -> None:
+        """Every request the dead loop held gets `exc`; its batch generator is closed."""
+        queues = [ctx.queue for ctx in self.contexts.values() if ctx.queue is not None]
+        taken = getattr(self, "_taken", None)
+        if taken is not None and getattr(taken, "ctx", None) is None:
+            queues.append(taken)
+        for rqueue in dict.fromkeys(queues):
+            rqueue.put(exc)
+        self.contexts.clear()
+        self._pending.clear()
+        if self.batch_generator is not None:
+            with contextlib.suppress(Exception):
+                self.batch_generator.close()
+            self.batch_generator = None
 
     def _serve_single(self, request: Any, stream: Any) -> None:
         shared = self.prompt_cache  # only the generation thread reads it: swapped for this call
