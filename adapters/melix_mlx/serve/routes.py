@@ -183,11 +183,11 @@ def build_app(
     install_handlers(app)
     receipt_names = {str(state.served.path): state.names[0]}
 
-    @app.post("/v1/completions", openapi_extra=completion_body(state.limits), tags=["openai"])
+    @app.post("/v1/completions", openapi_extra=completion_body(state.limits, state.vocab), tags=["openai"])
     async def completions(request: Request) -> Response:
         return await complete(state, request, chat=False)
 
-    @app.post("/v1/chat/completions", openapi_extra=chat_body(state.limits), tags=["openai"])
+    @app.post("/v1/chat/completions", openapi_extra=chat_body(state.limits, state.vocab), tags=["openai"])
     async def chat_completions(request: Request) -> Response:
         return await complete(state, request, chat=True)
 

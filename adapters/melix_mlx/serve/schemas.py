@@ -13,7 +13,7 @@ from typing import Any
 from .limits import ServeLimits
 
 
-def _common(limits: ServeLimits) -> dict[str, Any]:
+def _common(limits: ServeLimits, vocab: int) -> dict[str, Any]:
     number = {"type": "number"}
     return {
         "model": {"type": "string"},
@@ -21,7 +21,7 @@ def _common(limits: ServeLimits) -> dict[str, Any]:
         "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": limits.max_tokens_limit},
         "temperature": {**number, "minimum": 0},
         "top_p": {**number, "minimum": 0, "maximum": 1},
-        "top_k": {"type": "integer", "minimum": 0},
+        "top_k": {"type": "integer", "minimum": 0, "maximum": vocab - 1},
         "min_p": {**number, "minimum": 0, "maximum": 1},
         "n": {"type": "integer", "enum": [1]},
         "stream": {"type": "boolean"},
@@ -44,6 +44,8 @@ def _common(limits: ServeLimits) -> dict[str, Any]:
         "repetition_penalty": {**number, "minimum": 0},
         "presence_penalty": number,
         "frequency_penalty": number,
+        "xtc_probability": {**number, "minimum": 0, "maximum": 1},
+        "xtc_threshold": {**number, "minimum": 0, "maximum": 0.5},
     }
 
 
@@ -51,22 +53,30 @@ def _body(schema: dict[str, Any]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
-def completion_body(limits: ServeLimits) -> dict[str, Any]:
-    properties = {"prompt": {"type": "string", "minLength": 1}, **_common(limits)}
+def completion_body(limits: ServeLimits, vocab: int) -> dict[str, Any]:
+    properties = {"prompt": {"type": "string", "minLength": 1}, **_common(limits, vocab)}
     return _body({"type": "object", "required": ["prompt"], "properties": properties})
 
 
-def chat_body(limits: ServeLimits) -> dict[str, Any]:
+def chat_body(limits: ServeLimits, vocab: int) -> dict[str, Any]:
     message = {
         "type": "object",
         "required": ["role", "content"],
         "properties": {
             "role": {"type": "string", "enum": ["system", "user", "assistant"]},
-            "content": {"type": "string"},
+            "content": {
+                "oneOf": [
+                    {"type": "string"},
+                    {"type": "array", "items": {
+                        "type": "object", "required": ["type", "text"],
+                        "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
+                    }},
+                ]
+            },
         },
     }
     properties = {
         "messages": {"type": "array", "minItems": 1, "maxItems": limits.max_messages, "items": message},
-        **_common(limits),
+        **_common(limits, vocab),
     }
     return _body({"type": "object", "required": ["messages"], "properties": properties})
