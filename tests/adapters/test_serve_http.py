@@ -342,3 +342,20 @@ def test_malformed_http_gets_a_400_in_the_one_shape(url: str) -> None:
         assert head.startswith(b"HTTP/1.1 400"), head[:80]
         assert_error_shape(json.loads(body))
     assert healthy(url)
+
+
+def test_infinite_logprobs_are_null_not_a_500(served: Any) -> None:
+    """Found by the deep fuzz: a masked token's logprob is -inf, which JSON cannot carry."""
+    from melix_mlx.serve.limits import ServeLimits
+
+    with serving(served, max_batch_size=1, limits=ServeLimits(max_logit_bias=1024)) as running:
+        bias = {str(i): -1e300 for i in range(1024) if i != 7}  # -inf in float32: one token left
+        for stream in (False, True):
+            body = completion(logprobs=True, top_logprobs=3, logit_bias=bias, stream=stream)
+            status, _, payload = raw(running.url, "POST", "/v1/completions", json.dumps(body).encode())
+            assert status == 200, payload[:300]
+            assert b"Infinity" not in payload and b"NaN" not in payload
+        top = json.loads(raw(running.url, "POST", "/v1/completions", json.dumps(
+            completion(logprobs=True, top_logprobs=3, logit_bias=bias)).encode())[2])
+        entries = top["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+        assert entries[0]["id"] == 7 and [e["logprob"] for e in entries[1:]] == [None, None]

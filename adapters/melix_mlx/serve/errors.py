@@ -10,6 +10,7 @@ Rules of this module:
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -86,6 +87,7 @@ def install_handlers(app: FastAPI) -> None:
         return error_response(ApiError(400, "the request is not valid", code="invalid_request"))
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logging.error("unexpected error in %s %s", request.method, request.url.path, exc_info=exc)
         return error_response(ApiError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
 
     app.add_exception_handler(ApiError, api_error)

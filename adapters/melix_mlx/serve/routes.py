@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,8 +91,26 @@ def fault_error(exc: BaseException) -> ApiError:
     return ApiError(500, redact(f"{type(exc).__name__}: {exc}"), code="request_failed")
 
 
+def finite(value: Any) -> Any:
+    """`value` with every non-finite float as null: a -inf logprob (a masked token) is not JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def dumps(payload: Any) -> str:
+    try:
+        return json.dumps(payload, allow_nan=False)
+    except ValueError:
+        return json.dumps(finite(payload), allow_nan=False)
+
+
 def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
+    return f"data: {dumps(payload)}\n\n"
 
 
 async def watch_disconnect(request: Request, sub: Submission, admission: Admission) -> None:
@@ -163,7 +182,7 @@ async def complete(state: ServeState, request: Request, chat: bool) -> Response:
             raise aborted_error(exc) from None
         except Exception as exc:
             raise fault_error(exc) from None
-        return JSONResponse(asm.whole())
+        return Response(dumps(asm.whole()), media_type="application/json")
     finally:
         if not streaming:
             watcher.cancel()
