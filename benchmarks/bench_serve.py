@@ -123,7 +123,7 @@ def measure(args: argparse.Namespace, regime: str) -> dict[str, Any]:
     prompts = [p.text for p in held_out_prompts(served.path, per_workload=args.per_workload)]
     ours = start_server(served, max_batch_size=max(args.concurrency))
     theirs_port, stop_theirs = start_mlx_lm(mlx_settings(served, max_batch_size=max(args.concurrency)))
-    ours_port = ours.httpd.server_address[1]
+    ours_port = int(ours.url.rstrip("/").rsplit(":", 1)[1])
     stream_one(ours_port, prompts[0], 8)  # warm both
     stream_one(theirs_port, prompts[0], 8)
     cells = []
@@ -190,6 +190,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--per-workload", type=int, default=2)
     p.add_argument("--regime", choices=["current", "reference", "openblas", "both"], default="current")
+    p.add_argument("--results", type=Path, default=RESULTS, help="where the .json and .md go")
     args = p.parse_args()
     if args.regime in ("reference", "openblas", "both"):
         regimes = ["reference", "openblas"] if args.regime == "both" else [args.regime]
@@ -206,10 +207,10 @@ def main() -> int:
         return 0
     regime = os.environ.get("MELIX_SERVE_BENCH_REGIME", "current")
     result = measure(args, regime)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"bench-{regime}.json").write_text(json.dumps(result, indent=2) + "\n")
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / f"bench-{regime}.json").write_text(json.dumps(result, indent=2) + "\n")
     text = table(result)
-    (RESULTS / f"bench-{regime}.md").write_text(text)
+    (args.results / f"bench-{regime}.md").write_text(text)
     print(text, flush=True)
     sys.stderr.flush()
     # mlx's runtime can abort during interpreter teardown after server threads used it

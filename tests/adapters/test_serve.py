@@ -264,9 +264,13 @@ def test_metrics_endpoint_counts_speculation(server: Any) -> None:
     assert "melix_policy_decisions_total{decision=suspend}" in after
 
 
-def test_models_endpoint_lists_the_served_checkpoint(server: Any) -> None:
+def test_models_endpoint_lists_the_served_name_and_no_path(server: Any) -> None:
     data = client(server.url).models.list()
-    assert str(CKPT.resolve()) in [m.id for m in data.data]
+    ids = [m.id for m in data.data]
+    assert ids[0] == CKPT.name  # the served name: the checkpoint directory's base name
+    assert not any("/" in i or "\\" in i for i in ids)
+    answer = client(server.url).completions.create(model=ids[0], prompt="The king of", max_tokens=2)
+    assert answer.model == ids[0]
 
 
 def test_seeded_request_says_it_was_decoded_plainly(server: Any) -> None:
@@ -321,7 +325,11 @@ def test_serve_command_runs_until_interrupted(tmp_path: Any, inherited_sigint: s
         with urllib.request.urlopen(url + "/health", timeout=TIMEOUT_S) as response:
             assert json.loads(response.read()) == {"status": "ok"}
         with urllib.request.urlopen(url + "/v1/melix/receipt", timeout=TIMEOUT_S) as response:
-            assert printed is not None and printed == json.loads(response.read())["receipt"]
+            body = response.read()
+        # the operator's stderr names the checkpoint's path; the API only its served name
+        assert str(CKPT.resolve()).encode() not in body
+        assert printed is not None and printed["model"] == str(CKPT.resolve())
+        assert {**printed, "model": CKPT.name} == json.loads(body)["receipt"]
         assert printed["num_draft_tokens"] == 2 and printed["batched"] is True
         assert complete(url, "The king of", max_tokens=4).usage.completion_tokens == 4
         proc.send_signal(signal.SIGINT)

@@ -159,3 +159,27 @@ def test_a_refused_checkpoint_is_served_plainly_and_says_so() -> None:
     assert receipt["method"] == "none" and receipt["receipt"]["mode"] == "refused"
     model, tokenizer = load(str(draft))
     assert answer.choices[0].text == generate(model, tokenizer, "The king of", max_tokens=24)
+
+
+def test_a_dying_generation_loop_fails_its_requests_and_restarts() -> None:
+    """mlx-lm's loop raising outside its own guards used to kill the generation thread (and
+    with it every request to come); its requests now fail and a fresh loop serves on."""
+    from melix_mlx.serve.app import start_server
+    from melix_mlx.serve.provider import load_served_model
+    from melix_mlx.serve.runtime import ServingResponseGenerator
+
+    class Dying(ServingResponseGenerator):
+        def _is_batchable(self, args: Any) -> bool:  # read by mlx-lm's loop outside any try
+            if args.max_tokens == 7:
+                raise RuntimeError("injected loop failure")
+            return super()._is_batchable(args)
+
+    running = start_server(load_served_model(None, 2, "force_on"), max_batch_size=4, generator_class=Dying)
+    try:
+        with pytest.raises(openai.InternalServerError, match="injected loop failure"):
+            client(running.url).completions.create(model="default_model", prompt="The king of", max_tokens=7)
+        with urllib.request.urlopen(running.url + "/health", timeout=TIMEOUT_S) as response:
+            assert json.loads(response.read()) == {"status": "ok"}
+        assert complete(running.url, "The king of").choices[0].text
+    finally:
+        running.stop()

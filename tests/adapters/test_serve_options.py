@@ -131,7 +131,7 @@ def test_draft_model_method_is_served() -> None:
     assert spec["method"] == "draft_model" and len(spec["position_proposed"]) == 2
     assert answer["choices"][0]["text"] == want
     assert info["method"] == "draft_model" and info["receipt"]["requested_method"] == "draft_model"
-    assert info["settings"]["draft_model"] == str(DRAFT)
+    assert info["settings"]["draft_model"] == DRAFT.name  # no path leaves the host
 
 
 def test_profile_and_auto_depth_are_served(tmp_path) -> None:
@@ -139,7 +139,7 @@ def test_profile_and_auto_depth_are_served(tmp_path) -> None:
     profile.write_text('num_draft_tokens = "auto"\ndevice_policy = "force_on"\n')
     with _server("--profile", str(profile)) as (served, url):
         info = _get(url, "/v1/melix/receipt")
-    assert info["settings"]["num_draft_tokens"] == "auto" and info["settings"]["profile"] == str(profile)
+    assert info["settings"]["num_draft_tokens"] == "auto" and info["settings"]["profile"] == profile.name
     assert info["receipt"]["source"]["num_draft_tokens"] == "profile"
     assert info["num_draft_tokens"] == served.controller.depth.max_k == info["receipt"]["depth"]["max_k"]
 

@@ -26,7 +26,7 @@ COMMAND_MODULES: tuple[str, ...] = (
 # (module, extra of melix-fsm that installs it); tests/registry check them against pyproject.toml
 DEFAULT_REQUIRES: tuple[tuple[str, str], ...] = (("mlx", "mlx"), ("mlx_lm", "mlx"))
 REQUIRES: dict[str, tuple[tuple[str, str], ...]] = {
-    "serve": DEFAULT_REQUIRES + (("prometheus_client", "serve"),),
+    "serve": DEFAULT_REQUIRES + (("fastapi", "serve"), ("uvicorn", "serve"), ("prometheus_client", "serve")),
     "bench": DEFAULT_REQUIRES + (("matplotlib", "bench"),),  # tqdm is optional: plain lines without it
     "qa": DEFAULT_REQUIRES + (("hypothesis", "qa"),),
 }

@@ -15,23 +15,48 @@ Rules of this module:
   A refusal when the method was not given serves plainly and says so in the receipt
   and in every response's usage; a refused explicit method, or settings no batch can
   run (a quantized KV cache), exit 3 with the typed reason before anything is loaded.
+- The HTTP front is uvicorn with a FastAPI app (melix_mlx.serve.app); its limits are
+  flags (`ServeLimits`: body, prompt tokens, max_tokens, logit_bias, stop list, queue,
+  timeouts, prefill chunk, connections). `--api-key` (or MELIX_FSM_API_KEY) requires a
+  Bearer token on every route but /health; `--allowed-origins` enables CORS for those
+  origins only (none by default). Models are named `--served-model-name` (default: the
+  checkpoint directory's base name); no response names a path.
 - Exit status (melix_fsm.cli): 0 after Ctrl-C or SIGTERM, 2 usage error or unreadable
   checkpoint, 3 typed refusal (the receipt as JSON on stdout, the reason on stderr).
   mlx is imported inside `run` only.
-- Shutdown: the HTTP server and the generation thread are stopped and joined, the
-  standard streams flushed, then the process ends with `os._exit`: mlx's runtime can
-  abort during interpreter teardown once a server thread has used it (mlx-lm's own
-  server exits with SIGABRT intermittently the same way), and nothing is left to run.
+- Shutdown (SIGTERM/SIGINT): stop accepting, fail queued requests, let started ones
+  finish up to `--drain-timeout`, end the rest with an error; a second signal forces it.
+  Then the generation thread is stopped and joined, the standard streams flushed, and
+  the process ends with `os._exit(0)`: mlx's runtime can abort during interpreter
+  teardown once a server thread has used it, and nothing is left to run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED = 0, 2, 3
 PROG = "melix-fsm serve"
+API_KEY_ENV = "MELIX_FSM_API_KEY"
+
+# (flag, ServeLimits field, type, help): each limit of the server, with its default there
+LIMIT_FLAGS = (
+    ("--max-body-bytes", "max_body_bytes", int, "largest request body (413 beyond)"),
+    ("--max-prompt-tokens", "max_prompt_tokens", int, "longest prompt (default: the model's context)"),
+    ("--max-logit-bias", "max_logit_bias", int, "most logit_bias entries of a request"),
+    ("--max-stop", "max_stop", int, "most stop sequences of a request"),
+    ("--max-queue", "max_queue", int, "requests waiting beyond the batch's rows (429 beyond)"),
+    ("--request-timeout", "request_timeout_s", float, "seconds a request may run before it is cancelled"),
+    ("--drain-timeout", "drain_timeout_s", float, "seconds started requests may finish after SIGTERM"),
+    ("--prefill-chunk-tokens", "prefill_chunk_tokens", int, "prompt tokens a request prefills per step"),
+    ("--limit-concurrency", "limit_concurrency", int, "open connections (503 beyond)"),
+    ("--timeout-keep-alive", "timeout_keep_alive_s", int, "seconds an idle connection stays open"),
+    ("--head-timeout", "head_timeout_s", float, "seconds a request's head may take to arrive"),
+    ("--body-timeout", "body_timeout_s", float, "seconds a request's body may take to arrive"),
+)
 
 
 def register(subparsers: Any) -> None:
@@ -55,6 +80,25 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--max-batch-size", type=int, default=32, metavar="N", help="rows decoded together")
     parser.add_argument(
         "--max-tokens-limit", type=int, default=1 << 16, metavar="N", help="the largest max_tokens accepted"
+    )
+    from melix_mlx.serve.limits import ServeLimits  # no mlx
+
+    defaults = ServeLimits()
+    for flag, field, kind, text in LIMIT_FLAGS:
+        default = getattr(defaults, field)
+        shown = f"{text} (default {default:g})" if default is not None else text
+        parser.add_argument(flag, dest=field, type=kind, default=None, metavar="N", help=shown)
+    parser.add_argument(
+        "--api-key", default=None,
+        help=f"require this Bearer token on every route but /health (or ${API_KEY_ENV})",
+    )
+    parser.add_argument(
+        "--allowed-origins", nargs="*", default=None, metavar="ORIGIN",
+        help="origins allowed cross-origin access (CORS); none by default",
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, metavar="NAME",
+        help="the model id clients see and send (default: the checkpoint directory's base name)",
     )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.set_defaults(run=run)
@@ -83,6 +127,14 @@ def load_from_args(args: argparse.Namespace) -> Any:
     )
 
 
+def limits_from_args(args: argparse.Namespace) -> Any:
+    from melix_mlx.serve.limits import ServeLimits
+
+    values = {field: getattr(args, field) for _, field, _, _ in LIMIT_FLAGS}
+    given = {field: value for field, value in values.items() if value is not None}
+    return ServeLimits(max_tokens_limit=args.max_tokens_limit, **given)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.max_batch_size < 1:
         return _fail("--max-batch-size must be >= 1")
@@ -90,6 +142,12 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--max-tokens-limit must be >= 1")
     if not 0 <= args.port < 65536:
         return _fail("--port must be within [0, 65535]")
+    from melix_mlx.serve.limits import check
+
+    limits = limits_from_args(args)
+    problems = check(limits)
+    if problems:
+        return _fail("; ".join(problems))
     import json
     import logging
 
@@ -112,29 +170,24 @@ def run(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             max_batch_size=args.max_batch_size,
-            max_tokens_limit=args.max_tokens_limit,
             names=names,
+            served_model_name=args.served_model_name,
+            limits=limits,
+            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+            allowed_origins=args.allowed_origins,
             background=False,
         )
     except OSError as exc:
         return _fail(f"cannot listen on {args.host}:{args.port}: {exc}")
     note = f" (refused: {served.refusal})" if served.refusal else ""
     print(
-        f"{PROG}: {served.path} on {server.url} method={served.method}{note} "
+        f"{PROG}: {server.state.names[0]} on {server.url} method={served.method}{note} "
         f"k={served.num_draft_tokens if served.method != 'none' else 0} max_batch_size={args.max_batch_size}",
         file=sys.stderr,
         flush=True,
     )
-    import os
-    import signal
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    # Both installed explicitly: a process started in the background of a script inherits
-    # SIGINT ignored, and Python then leaves it ignored (Ctrl-C / kill -INT would do nothing).
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
+    # uvicorn installs its SIGINT/SIGTERM handlers itself (also where SIGINT was inherited
+    # ignored, as in a background job of a script); they begin the drain
     try:
         server.serve_forever()
     except KeyboardInterrupt:

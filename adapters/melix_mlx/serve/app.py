@@ -1,9 +1,20 @@
-"""Start and stop one server: mlx-lm's HTTP server with this package's generator.
+"""Start and stop one server: uvicorn serving the FastAPI app over one generation thread.
 
 Rules of this module:
-- `start_server` binds (port 0: an ephemeral port), starts mlx-lm's generation thread and
-  an HTTP thread, and returns a `RunningServer` whose `stop()` shuts both down and waits
-  for them (bounded). The command runs the same server in the foreground.
+- `start_server` builds the generation side (mlx-lm's loop with MTPBatchGenerator,
+  melix_mlx.serve.runtime), the app (melix_mlx.serve.routes) and a uvicorn server on a
+  socket it binds itself (port 0: an ephemeral port; a bind error raises before
+  anything runs). In the background (tests, tools) uvicorn runs on its own thread;
+  in the foreground (the command) on the calling thread, with its signal handlers.
+- uvicorn's own limits are set from `ServeLimits`: a connection cap
+  (`limit_concurrency`, 503 beyond), the keep-alive timeout, h11's cap on a request
+  head, a listen backlog of 2048, no server header; and a deadline on a request's head
+  (melix_mlx.serve.connections: uvicorn has none).
+- Drain (SIGTERM/SIGINT in the foreground, `drain()` otherwise): stop accepting, fail
+  queued requests, let started ones finish up to the drain timeout, end the rest
+  (melix_mlx.serve.admission); uvicorn then closes and returns. A signal is not
+  re-raised afterwards (the command exits 0). `stop()` drains with a short timeout,
+  stops the generation thread and joins both threads (bounded).
 - mlx-lm's settings namespace is built here with mlx-lm's own defaults, except those
   the command sets (model, batch size, draft depth).
 """
@@ -11,74 +22,100 @@ Rules of this module:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import socket
 import threading
-from dataclasses import dataclass
-from http.server import ThreadingHTTPServer
+import time
+from dataclasses import dataclass, replace
 from typing import Any
 
+import uvicorn
 from mlx_lm.models.cache import LRUPromptCache
-from mlx_lm.server import get_system_fingerprint
 
-from .handler import MelixAPIHandler
+from ..prefill import vocabulary_size
+from .admission import Admission
+from .connections import HeadTimeoutProtocol
+from .limits import ServeLimits, resolve
 from .metrics import ServeMetrics
+from .privacy import served_name
+from .protocol import Defaults
 from .provider import MTPModelProvider, ServedModel
+from .routes import ServeState, build_app
 from .runtime import ServingResponseGenerator
 
 STOP_TIMEOUT_S = 30.0
+START_TIMEOUT_S = 30.0
+BACKLOG = 2048
+GRACE_S = 5.0  # uvicorn waits this long past the drain timeout before it cancels handlers
 
 
 def mlx_settings(served: ServedModel, *, max_batch_size: int, max_tokens: int = 512) -> argparse.Namespace:
     """mlx-lm server settings (its CLI defaults) for this served model."""
     return argparse.Namespace(
-        model=str(served.path),
-        adapter_path=None,
-        draft_model=None,
-        num_draft_tokens=served.num_draft_tokens,
-        trust_remote_code=False,
-        chat_template="",
-        use_default_chat_template=False,
-        allowed_origins=["*"],
-        temp=0.0,
-        top_p=1.0,
-        top_k=0,
-        min_p=0.0,
-        max_tokens=max_tokens,
-        chat_template_args={},
-        decode_concurrency=max_batch_size,
-        prompt_concurrency=min(8, max_batch_size),
-        prefill_step_size=2048,
-        prompt_cache_size=10,
-        prompt_cache_bytes=None,
-        kv_bits=None,
-        kv_group_size=64,
-        quantized_kv_start=0,
-        pipeline=False,
+        model=str(served.path), adapter_path=None, draft_model=None,
+        num_draft_tokens=served.num_draft_tokens, trust_remote_code=False, chat_template="",
+        use_default_chat_template=False, allowed_origins=[], temp=0.0, top_p=1.0, top_k=0, min_p=0.0,
+        max_tokens=max_tokens, chat_template_args={}, decode_concurrency=max_batch_size,
+        prompt_concurrency=min(8, max_batch_size), prefill_step_size=2048, prompt_cache_size=10,
+        prompt_cache_bytes=None, kv_bits=None, kv_group_size=64, quantized_kv_start=0, pipeline=False,
     )
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server whose exit begins the drain and never re-raises the signal."""
+
+    admission: Admission
+    drain_timeout_s: float
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.should_exit:
+            self.force_exit = True
+            return
+        self.begin_drain()
+
+    def begin_drain(self) -> None:
+        loop = getattr(self, "loop", None)
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._drain)
+        else:
+            self.should_exit = True
+
+    def _drain(self) -> None:
+        self.admission.drain(self.drain_timeout_s)
+        self.should_exit = True  # uvicorn stops accepting, then waits for the handlers
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
 
 
 @dataclass
 class RunningServer:
-    httpd: ThreadingHTTPServer
+    server: DrainingServer
     generator: ServingResponseGenerator
+    sock: socket.socket
     thread: threading.Thread | None
+    state: ServeState
 
     @property
     def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        host, port = self.sock.getsockname()[:2]
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def serve_forever(self) -> None:
-        self.httpd.serve_forever()
+        self.server.run(sockets=[self.sock])
+
+    def drain(self) -> None:
+        """Begin a drain, as SIGTERM would (returns at once)."""
+        self.server.begin_drain()
 
     def stop(self) -> None:
-        if self.thread is not None:  # a foreground serve_forever has returned already
-            self.httpd.shutdown()
-        self.httpd.server_close()
-        self.generator._stop = True  # mlx-lm's loop checks it every iteration
-        self.generator._generation_thread.join(STOP_TIMEOUT_S)
         if self.thread is not None:
+            self.server.drain_timeout_s = min(self.server.drain_timeout_s, 1.0)
+            self.server.begin_drain()
             self.thread.join(STOP_TIMEOUT_S)
+        self.sock.close()
+        self.generator.stop(STOP_TIMEOUT_S)
 
 
 def start_server(
@@ -87,36 +124,68 @@ def start_server(
     host: str = "127.0.0.1",
     port: int = 0,
     max_batch_size: int = 32,
-    max_tokens_limit: int = 1 << 16,
+    max_tokens_limit: int | None = None,
     names: tuple[str, ...] = (),
+    served_model_name: str | None = None,
+    limits: ServeLimits | None = None,
+    api_key: str | None = None,
+    allowed_origins: list[str] | None = None,
     background: bool = True,
     generator_class: type[ServingResponseGenerator] = ServingResponseGenerator,
 ) -> RunningServer:
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    limits = limits or ServeLimits()
+    if max_tokens_limit is not None:
+        limits = replace(limits, max_tokens_limit=max_tokens_limit)
+    limits = resolve(limits, served.path)
     settings = mlx_settings(served, max_batch_size=max_batch_size)
-    provider = MTPModelProvider(settings, served, names=names)
+    name = served_name(served.path, served_model_name)
+    sock = _bind(host, port)
+    provider = MTPModelProvider(settings, served, names=(name, *names))
     metrics = ServeMetrics(served.controller, served.method)
-    generator = generator_class(provider, LRUPromptCache(settings.prompt_cache_size), metrics)
-    fingerprint = get_system_fingerprint()
-    limit = max_tokens_limit
-
-    class Handler(MelixAPIHandler):
-        max_tokens_limit = limit
-
-    def handler(*args: Any, **kwargs: Any) -> Handler:
-        return Handler(generator, *args, system_fingerprint=fingerprint, **kwargs)
-
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-    server_class = type("MelixHTTPServer", (ThreadingHTTPServer,), {"address_family": family})
-    try:
-        httpd = server_class((host, port), handler)
-    except OSError:
-        generator.stop_and_join()
-        raise
-    httpd.daemon_threads = True
+    capacity = max_batch_size + limits.max_queue
+    generator = generator_class(
+        provider, LRUPromptCache(settings.prompt_cache_size), metrics,
+        queue_size=capacity, prefill_chunk=limits.prefill_chunk_tokens,
+    )
+    state = ServeState(
+        generator=generator, metrics=metrics, admission=Admission(generator, metrics, capacity),
+        limits=limits, served=served, names=list(dict.fromkeys((name, *names))),
+        vocab=vocabulary_size(served.model) or 1 << 31,
+        defaults=Defaults(max_tokens=min(settings.max_tokens, limits.max_tokens_limit),
+                          num_draft_tokens=served.num_draft_tokens),
+    )
+    app = build_app(state, api_key=api_key, allowed_origins=allowed_origins)
+    protocol = type("Protocol", (HeadTimeoutProtocol,), {"head_timeout_s": limits.head_timeout_s})
+    config = uvicorn.Config(
+        app, http=protocol, log_level="warning", access_log=False, server_header=False, date_header=True,
+        limit_concurrency=limits.limit_concurrency, timeout_keep_alive=limits.timeout_keep_alive_s,
+        h11_max_incomplete_event_size=limits.max_header_bytes, backlog=BACKLOG,
+        timeout_graceful_shutdown=limits.drain_timeout_s + GRACE_S, lifespan="off",
+    )
+    server = DrainingServer(config)
+    server.admission, server.drain_timeout_s = state.admission, limits.drain_timeout_s
     thread = None
     if background:
-        thread = threading.Thread(target=httpd.serve_forever, name="melix-serve-http", daemon=True)
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="melix-serve-http",
+                                  daemon=True)
         thread.start()
-    return RunningServer(httpd, generator, thread)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not server.started and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return RunningServer(server, generator, sock, thread, state)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(BACKLOG)  # clients may connect (and wait) before uvicorn's loop runs
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock

@@ -8,6 +8,8 @@ Rules of this module:
   drafts accepted, tokens emitted — and the rows' states; `observe_rows` after a removal.
   Policy decisions are read from the live controller's own counters at scrape time, so
   they never disagree with the controller.
+- Requests are counted by their final state (finished, cancelled, failed) and the
+  requests in flight are a gauge; the event loop writes those two.
 - Tokens/s is measured over a sliding window of recent steps (wall time between steps),
   not predicted.
 """
@@ -61,6 +63,12 @@ class ServeMetrics:
         self.generated = Counter("melix_generated_tokens", "Tokens generated (all rows)", registry=r)
         self.prompt_tokens = Counter("melix_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.failures = Counter("melix_request_failures", "Requests ended by an error", registry=r)
+        self.requests = Counter(
+            "melix_requests", "Accepted requests by their final state", ["state"], registry=r
+        )
+        self.in_flight = Gauge("melix_requests_in_flight", "Accepted requests not ended yet", registry=r)
+        for state in ("finished", "cancelled", "failed"):
+            self.requests.labels(state=state)
         self.acceptance = Gauge(
             "melix_speculative_acceptance_rate", "Accepted over verified drafts since start (NaN before)",
             registry=r,

@@ -6,28 +6,45 @@ Rules of this module:
   (`rebind`) to a copy of their module scope in which a few factory names are ours:
   `BatchGenerator` builds a `ServingBatchGenerator`, `GenerationContext` builds a
   `SpeculativeContext` (the request context that also carries the request's response
-  queue and its speculative usage), `Queue` builds a `RequestQueue`. mlx-lm's module is
-  never modified, so its own server keeps working in the same process. `rebind` fails
-  loudly if mlx-lm's code no longer names a factory we substitute.
+  queue and its speculative usage). mlx-lm's module is never modified, so its own
+  server keeps working in the same process. `rebind` fails loudly if mlx-lm's code no
+  longer names a factory we substitute.
+- One generation thread, fed by a bounded queue (`submit`; `queue.Full` when it is
+  full). Each request's responses go to an `AsyncResponseQueue`: the generation thread
+  puts, the HTTP event loop reads, and no HTTP thread ever blocks on a request.
+- Before a request is prefilled (`_tokenize`, in the generation thread): a request
+  cancelled while it waited is dropped, and a prompt that tokenizes to nothing or to
+  more than its `max_prompt_tokens` is refused (`PromptRejected`, a 400).
+- Fair prefill (melix_mlx.serve.chunks): every prompt is inserted as segments of at
+  most `prefill_chunk` tokens, one prefilled per step between the running rows' decode
+  steps; only real segment boundaries are reported to mlx-lm's loop as such.
+- Cancellation in any state: a stopped context's row leaves at its next response (mlx-lm's
+  loop); a stopped request still waiting in the generator's queue is removed there
+  (`remove`) and given a progress response, so the loop forgets it.
 - Requests mlx-lm's server does not batch (a request with a seed) run on its plain
   single-sequence path without MTP; their usage says so (method "none" and the reason).
+  That path sees the prompt cache through `PartialHits` (a full hit leaves one token).
 - A request's context is bound to its batch uid when mlx-lm inserts it (the context is
   built just before, in the same generation thread). A finishing row writes its
   speculative usage into the context before mlx-lm queues its last response, so the
-  HTTP handler finds it when the response ends (`current_context`).
+  HTTP side finds it on the context when the response ends.
+- If mlx-lm's loop itself raises (it would die, and the server with it), the requests it
+  held get the exception, its batch generator is closed, and a fresh loop serves on.
 - Failures stay with their request: an insertion that raises fails its request only; each
-  row's logits processors are guarded, so one that
-  raises records the failure and the batched step completes for the other rows; a
-  request whose prefill raises is dropped by the generator (melix_mlx.batch_surface).
-  After the step the failed rows leave the batch, their exception goes to their response
-  queue (the handler answers 500) and a progress response lets mlx-lm's loop forget them.
+  row's logits processors are guarded, so one that raises records the failure and the
+  batched step completes for the other rows; a request whose prefill raises is dropped
+  by the generator (melix_mlx.batch_surface). After the step the failed rows leave the
+  batch, their exception goes to their response queue (the handler answers 500) and a
+  progress response lets mlx-lm's loop forget them.
   An exception of the batched step itself ends the rows in that step the same way; the
   queue and the server go on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import threading
 import types
 from dataclasses import dataclass
@@ -38,12 +55,22 @@ from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.server import GenerationContext, ResponseGenerator
 
 from melix_fsm import lifecycle as lc
+from melix_fsm.batch import Operation
+from melix_fsm.errors import MelixError
 from melix_fsm.lifecycle import Signal
 
 from ..batch_generator import MTPBatchGenerator
+from .chunks import split_segments
+from .plain_path import PartialHits
 from .usage import PLAIN_PATH_REASON, speculative_usage
 
-_local = threading.local()
+
+class PromptRejected(MelixError, ValueError):
+    """The tokenized prompt is empty or longer than the server's limit (a 400)."""
+
+
+class RequestCancelled(MelixError):
+    """The request was cancelled before the generation thread started it."""
 
 
 def rebind(function: Any, **names: Any) -> Any:
@@ -63,19 +90,39 @@ class SpeculativeContext(GenerationContext):
     queue: Any = None  # the request's response queue (set when mlx-lm queues the context)
     speculative: dict[str, Any] | None = None  # the usage's speculative object, once finished
 
+    @property
+    def cancelled(self) -> bool:
+        return self._should_stop
 
-class RequestQueue(Queue):
-    """A response queue that tells the request's context where its responses go."""
+
+class AsyncResponseQueue:
+    """One request's responses: put by the generation thread, read on the event loop.
+
+    `cancel` (any thread) stops the request wherever it is: before tokenization (the
+    request's event), or through its context, whether that exists yet or not (a lock
+    orders the two threads)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, cancelled: threading.Event) -> None:
+        self.loop = loop
+        self.items: asyncio.Queue[Any] = asyncio.Queue()
+        self.cancelled = cancelled  # the request's own event (ServedRequest.cancelled)
+        self.ctx: SpeculativeContext | None = None
+        self._lock = threading.Lock()
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
         if isinstance(item, SpeculativeContext):
-            item.queue = self
-        super().put(item, block, timeout)
+            with self._lock:
+                item.queue, self.ctx = self, item
+                if self.cancelled.is_set():
+                    item.stop()
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
+            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
 
-
-def current_context() -> SpeculativeContext | None:
-    """The context of the request this (HTTP handler) thread generated last."""
-    return getattr(_local, "ctx", None)
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled.set()
+            if self.ctx is not None:
+                self.ctx.stop()
 
 
 class ServingBatchGenerator(MTPBatchGenerator):
@@ -88,9 +135,12 @@ class ServingBatchGenerator(MTPBatchGenerator):
         pending: list,
         metrics: Any,
         method: str = "mtp",
+        prefill_chunk: int = 256,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
+        self.prefill_chunk = prefill_chunk
+        self._boundaries: dict[int, set[int]] = {}  # uid -> real segment ends (see chunks)
         self.method = method  # what fills the head slot: "mtp" or "draft_model"
         self.contexts = contexts  # uid -> SpeculativeContext
         self._pending = pending  # the context mlx-lm built for the next insert
@@ -99,6 +149,9 @@ class ServingBatchGenerator(MTPBatchGenerator):
 
     def insert_segments(self, segments: list, *args: Any, **kwargs: Any) -> list[int]:
         first = self._uid_count
+        held = kwargs.get("all_tokens") or [[] for _ in segments]
+        cut = [split_segments(seq, len(h), self.prefill_chunk) for seq, h in zip(segments, held)]
+        segments = [pieces if pieces else seq for (pieces, _), seq in zip(cut, segments)]
         processors = kwargs.get("logits_processors")
         if processors:
             kwargs["logits_processors"] = [
@@ -111,8 +164,9 @@ class ServingBatchGenerator(MTPBatchGenerator):
             self._uid_count += 1
             self._failed[uids[0]] = exc
         ctx = self._pending.pop() if self._pending else None
-        if ctx is not None:
-            for uid in uids:
+        for uid, (_, boundaries) in zip(uids, cut):
+            self._boundaries[uid] = boundaries
+            if ctx is not None:
                 self.contexts[uid] = ctx
         return uids
 
@@ -133,15 +187,36 @@ class ServingBatchGenerator(MTPBatchGenerator):
         out = super().remove(uids, return_prompt_caches)
         for uid in uids:
             self.contexts.pop(uid, None)
+            self._boundaries.pop(uid, None)
         self.metrics.observe_rows(self.batch.rows)
+        return out
+
+    def _drop_cancelled(self) -> list[PromptProcessingBatch.Response]:
+        """Requests stopped while waiting for a row leave the queue (see the module rules)."""
+        contexts = self.contexts.items()
+        waiting = [u for u, ctx in contexts if getattr(ctx, "cancelled", False) and u not in self.batch]
+        if waiting:
+            self.remove(waiting)
+        return [PromptProcessingBatch.Response(uid, (0, 0), False, False) for uid in waiting]
+
+    def _segment_ends(self, responses: list) -> list:
+        """Chunk ends are progress, not segment ends: only real ones store a prefix."""
+        out = []
+        for r in responses:
+            real = r.progress[0] in self._boundaries.get(r.uid, ())
+            if r.end_of_segment and not r.end_of_prompt and not real:
+                r = PromptProcessingBatch.Response(r.uid, r.progress, False, False)
+            out.append(r)
         return out
 
     def next(self) -> tuple[list, list]:
         prompt_before = self._counters.prompt_tokens
+        dropped = self._drop_cancelled()
         try:
             prompt_responses, generation = super().next()
+            prompt_responses = dropped + self._segment_ends(prompt_responses)
         except Exception as exc:  # the batched step itself failed: its rows end with it
-            prompt_responses, generation = [], []
+            prompt_responses, generation = dropped, []
             self._abandon_batch(exc)
         failed = self._failed
         self._failed = {}
@@ -152,6 +227,7 @@ class ServingBatchGenerator(MTPBatchGenerator):
             self.remove([uid for uid in failed if uid in self.batch])
         for r in generation:
             if r.finish_reason is not None and r.uid in self.contexts:
+                self._boundaries.pop(r.uid, None)
                 ctx = self.contexts.pop(r.uid)
                 ctx.speculative = speculative_usage(r.stats, self.refusal, self.method)
         self.metrics.observe_step(
@@ -163,7 +239,7 @@ class ServingBatchGenerator(MTPBatchGenerator):
         uids = list(self.batch.uids)
         with contextlib.suppress(Exception):  # rows may be mid-cycle; they leave regardless
             ended = Signal(event=lc.FINISH.event, reason=f"error: {exc}")
-            self._apply_signals("finish", {uid: ended for uid in uids})
+            self._apply_signals(Operation.finish, {uid: ended for uid in uids})
         if self._ahead is not None:  # a step launched ahead is undone before the rows go
             with contextlib.suppress(RuntimeError):
                 self.engine.abandon(self._ahead)
@@ -190,31 +266,98 @@ class ServingBatchGenerator(MTPBatchGenerator):
 class ServingResponseGenerator(ResponseGenerator):
     """mlx-lm's ResponseGenerator with our batch generator and contexts; see the rules."""
 
-    def __init__(self, model_provider: Any, prompt_cache: Any, metrics: Any) -> None:
+    def __init__(
+        self,
+        model_provider: Any,
+        prompt_cache: Any,
+        metrics: Any,
+        *,
+        queue_size: int = 0,
+        prefill_chunk: int = 256,
+    ) -> None:
         self.served = model_provider.served
         self.metrics = metrics
+        self.queue_size = queue_size  # 0: unbounded (the HTTP side bounds it too)
+        self.prefill_chunk = prefill_chunk
         self.contexts: dict[int, SpeculativeContext] = {}
         self._pending: list[SpeculativeContext] = []
         self.batch_generator: ServingBatchGenerator | None = None  # the latest one built
         self._loop = rebind(ResponseGenerator._generate, **self.substitutions())
         self._single = rebind(ResponseGenerator._serve_single, GenerationContext=self._plain_context)
-        self._submit = rebind(ResponseGenerator.generate, Queue=RequestQueue)
         super().__init__(model_provider, prompt_cache)  # starts the generation thread
+
+    @property
+    def requests(self) -> Queue:
+        return self._requests
+
+    @requests.setter
+    def requests(self, _: Queue) -> None:  # mlx-lm's __init__ assigns an unbounded one
+        self._requests = Queue(maxsize=self.queue_size)
+
+    def submit(self, rqueue: AsyncResponseQueue, request: Any, args: Any) -> None:
+        """Queue a request for the generation thread (`queue.Full` when the queue is full)."""
+        if not self.generation_available():
+            raise RuntimeError("generation thread died")
+        self.requests.put_nowait((rqueue, request, args))
+
+    def stop(self, timeout: float) -> None:
+        """Stop the generation thread and wait for it (bounded)."""
+        self._stop = True
+        self._generation_thread.join(timeout)
+
+    def _tokenize(self, tokenizer: Any, request: Any, args: Any) -> Any:
+        cancelled = getattr(request, "cancelled", None)
+        if cancelled is not None and cancelled.is_set():
+            raise RequestCancelled("cancelled while queued")
+        out = super()._tokenize(tokenizer, request, args)
+        prompt, limit = out[0], getattr(request, "max_prompt_tokens", 0)
+        if not len(prompt):
+            raise PromptRejected("the prompt is empty after tokenization")
+        if limit and len(prompt) > limit:
+            raise PromptRejected(f"the prompt has {len(prompt)} tokens; this server accepts at most {limit}")
+        return out
 
     def substitutions(self) -> dict[str, Any]:
         """Names replaced in mlx-lm's generation loop (a subclass may add more)."""
         return {"BatchGenerator": self._make_batch_generator, "GenerationContext": self._batched_context}
 
     def _generate(self) -> None:
-        self._loop(self)
+        while not self._stop:
+            try:
+                self._loop(self)
+                return
+            except Exception as exc:  # mlx-lm's loop died: its requests fail, a fresh loop serves on
+                logging.exception("the generation loop failed; its requests fail and it restarts")
+                self._fail_in_flight(exc)
+
+    def _next_request(self, timeout: float | None = None) -> Any:
+        request = super()._next_request(timeout)
+        if request is not None:
+            self._taken = request[0]  # the response queue of the request the loop works on
+        return request
+
+    def _fail_in_flight(self, exc: BaseException) -> None:
+        """Every request the dead loop held gets `exc`; its batch generator is closed."""
+        queues = [ctx.queue for ctx in self.contexts.values() if ctx.queue is not None]
+        taken = getattr(self, "_taken", None)
+        if taken is not None and getattr(taken, "ctx", None) is None:
+            queues.append(taken)
+        for rqueue in dict.fromkeys(queues):
+            rqueue.put(exc)
+        self.contexts.clear()
+        self._pending.clear()
+        if self.batch_generator is not None:
+            with contextlib.suppress(Exception):
+                self.batch_generator.close()
+            self.batch_generator = None
 
     def _serve_single(self, request: Any, stream: Any) -> None:
-        self._single(self, request, stream)
-
-    def generate(self, request: Any, generation_args: Any, progress_callback: Any = None) -> Any:
-        ctx, responses = self._submit(self, request, generation_args, progress_callback)
-        _local.ctx = ctx
-        return ctx, responses
+        shared = self.prompt_cache  # only the generation thread reads it: swapped for this call
+        self.prompt_cache = PartialHits(shared)
+        try:
+            self._single(self, request, stream)
+        finally:
+            self.prompt_cache = shared
 
     def _batched_context(self, **fields: Any) -> SpeculativeContext:
         ctx = SpeculativeContext(**fields)
@@ -237,6 +380,7 @@ class ServingResponseGenerator(ResponseGenerator):
             metrics=self.metrics,
             method=served.requested_method,
             objective="throughput",  # requests keep arriving: every emitted token counts
+            prefill_chunk=self.prefill_chunk,
             **options,
         )
         return self.batch_generator

@@ -1,0 +1,261 @@
+"""The HTTP API: a FastAPI app over the generation thread (see melix_mlx.serve.app).
+
+Rules of this module:
+- Routes: POST /v1/completions and /v1/chat/completions (also /chat/completions, as
+  mlx-lm), streamed as server-sent events or not; GET /v1/models, /health,
+  /v1/melix/receipt, /metrics; the OpenAPI schema at /openapi.json (no docs pages:
+  they would load scripts from a CDN).
+- A POST is read within the body limit (413) and deadline (408), decoded as UTF-8 JSON (400), checked
+  (melix_mlx.serve.protocol), admitted (melix_mlx.serve.admission: 429/503), then
+  answered from its `Submission`. A prompt the generation thread refuses is a 400; a
+  fault in the request's own decoding a 500 (non-streamed) or a final error event
+  (streamed: the 200 is out), and the server goes on.
+- A client that disconnects cancels its request in any state (a watcher task reads
+  the ASGI disconnect); a request past its deadline is cancelled (504, or an error
+  event); a drain ends queued requests with 503 and, at its timeout, started ones with
+  503 or, streamed, a last chunk with finish_reason "abort", an error event and [DONE].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from melix_fsm.request import RequestEvent
+
+from .admission import Admission
+from .completion import Assembler
+from .errors import ApiError, error_body, install_handlers
+from .limits import ServeLimits
+from .metrics import CONTENT_TYPE
+from .privacy import FINGERPRINT, redact, scrub
+from .protocol import Defaults, Parsed, parse
+from .schemas import chat_body, completion_body
+from .session import Aborted, Submission, is_bad_input
+
+ABORT_FINISH = "abort"  # the finish reason of a stream the server ended
+
+
+@dataclass
+class ServeState:
+    generator: Any
+    metrics: Any
+    admission: Admission
+    limits: ServeLimits
+    served: Any
+    names: list[str]  # the served name first
+    vocab: int
+    defaults: Defaults
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+async def read_json(request: Request, limit: int, timeout_s: float) -> Any:
+    """The body as JSON, read within `limit` bytes and `timeout_s` (see the module rules)."""
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise ApiError(413 if length.isdigit() else 400, f"the request body may be at most {limit} bytes")
+    chunks: list[bytes] = []
+    try:
+        async with asyncio.timeout(timeout_s):
+            size = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"the request body may be at most {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s") from None
+    try:
+        return json.loads(b"".join(chunks).decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ApiError(400, "the request body is not valid UTF-8", code="invalid_encoding") from None
+    except (ValueError, RecursionError):
+        raise ApiError(400, "the request body is not valid JSON", code="invalid_json") from None
+
+
+def aborted_error(exc: Aborted) -> ApiError:
+    if exc.event is RequestEvent.cancel:
+        return ApiError(504, exc.reason, code="timeout")
+    return ApiError(503, exc.reason, code=exc.event.value)
+
+
+def fault_error(exc: BaseException) -> ApiError:
+    return ApiError(500, redact(f"{type(exc).__name__}: {exc}"), code="request_failed")
+
+
+def finite(value: Any) -> Any:
+    """`value` with every non-finite float as null: a -inf logprob (a masked token) is not JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def dumps(payload: Any) -> str:
+    try:
+        return json.dumps(payload, allow_nan=False)
+    except ValueError:
+        return json.dumps(finite(payload), allow_nan=False)
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {dumps(payload)}\n\n"
+
+
+async def watch_disconnect(request: Request, sub: Submission, admission: Admission) -> None:
+    """Cancel `sub` when its client goes away (the ASGI disconnect message)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            sub.abort(RequestEvent.cancel, "the client disconnected")
+            admission.release(sub)
+            return
+
+
+async def stream_events(state: ServeState, sub: Submission, asm: Assembler, watcher: asyncio.Task) -> Any:
+    try:
+        async for item in sub.responses():
+            if isinstance(item, tuple):  # prefill progress: a comment keeps the connection alive
+                yield f": keepalive {item[0]}/{item[1]}\n\n"
+                continue
+            chunk = asm.feed(item)
+            if chunk is not None:
+                yield sse(chunk)
+        yield sse(asm.final_chunk())
+        if sub.parsed.include_usage:
+            yield sse(asm.usage_chunk())
+        yield "data: [DONE]\n\n"
+    except Aborted as exc:
+        error = aborted_error(exc)
+        yield sse(asm.final_chunk(ABORT_FINISH))
+        yield sse(error_body(error.status, error.message, code=error.code))
+        yield "data: [DONE]\n\n"
+    except Exception as exc:  # this request's fault: its stream ends with an error event
+        error = fault_error(exc)
+        yield sse(error_body(error.status, error.message, code=error.code))
+    finally:
+        watcher.cancel()
+        state.admission.release(sub)
+
+
+async def complete(state: ServeState, request: Request, chat: bool) -> Response:
+    body = await read_json(request, state.limits.max_body_bytes, state.limits.body_timeout_s)
+    parsed: Parsed = parse(
+        body, chat, limits=state.limits, vocab=state.vocab, names=state.names, defaults=state.defaults
+    )
+    sub = Submission(parsed, asyncio.get_running_loop(), state.limits.request_timeout_s)
+    state.admission.admit(sub)
+    watcher = asyncio.create_task(watch_disconnect(request, sub, state.admission))
+    streaming = False
+    try:
+        try:
+            ctx = await sub.context()
+        except Aborted as exc:
+            raise aborted_error(exc) from None
+        except Exception as exc:
+            if is_bad_input(exc):
+                raise ApiError(400, redact(str(exc)), code="invalid_prompt") from None
+            raise fault_error(exc) from None
+        asm = Assembler(parsed, ctx, FINGERPRINT)
+        if parsed.stream:
+            streaming = True
+            return StreamingResponse(
+                stream_events(state, sub, asm, watcher), media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        try:
+            async for item in sub.responses():
+                if not isinstance(item, tuple):
+                    asm.feed(item)
+        except Aborted as exc:
+            raise aborted_error(exc) from None
+        except Exception as exc:
+            raise fault_error(exc) from None
+        return Response(dumps(asm.whole()), media_type="application/json")
+    finally:
+        if not streaming:
+            watcher.cancel()
+            state.admission.release(sub)
+
+
+def build_app(
+    state: ServeState, *, api_key: str | None = None, allowed_origins: list[str] | None = None
+) -> FastAPI:
+    from fastapi.middleware.cors import CORSMiddleware
+
+    from melix_fsm import __version__
+
+    from .middleware import Guard
+
+    app = FastAPI(title="melix-fsm serve", version=__version__, docs_url=None, redoc_url=None)
+    install_handlers(app)
+    receipt_names = {str(state.served.path): state.names[0]}
+
+    @app.post("/v1/completions", openapi_extra=completion_body(state.limits, state.vocab), tags=["openai"])
+    async def completions(request: Request) -> Response:
+        return await complete(state, request, chat=False)
+
+    @app.post("/v1/chat/completions", openapi_extra=chat_body(state.limits, state.vocab), tags=["openai"])
+    async def chat_completions(request: Request) -> Response:
+        return await complete(state, request, chat=True)
+
+    @app.post("/chat/completions", include_in_schema=False)
+    async def chat_alias(request: Request) -> Response:
+        return await complete(state, request, chat=True)
+
+    @app.get("/v1/models", tags=["openai"])
+    async def models() -> dict[str, Any]:
+        card = {"object": "model", "created": state.created, "owned_by": "melix-fsm"}
+        return {"object": "list", "data": [{"id": name, **card} for name in state.names]}
+
+    @app.get("/v1/models/{model_id:path}", tags=["openai"])
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id not in state.names:
+            raise ApiError(404, f"model {model_id[:100]!r} is not served here", param="model",
+                           code="model_not_found")
+        return {"id": model_id, "object": "model", "created": state.created, "owned_by": "melix-fsm"}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = state.generator.generation_available() and not state.admission.draining
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/v1/melix/receipt", tags=["melix"])
+    async def receipt() -> dict[str, Any]:
+        served = state.served
+        controller = served.controller
+        return scrub({
+            "model": state.names[0],
+            "method": served.method,
+            "settings": served.settings,
+            "num_draft_tokens": served.num_draft_tokens if served.method != "none" else 0,
+            "refusal": served.refusal,
+            "head_load_error": served.head_load_error,
+            "receipt": served.receipt,
+            "policy": controller.summary() if controller is not None else None,
+        }, receipt_names)
+
+    @app.get("/metrics", tags=["melix"])
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    app.add_middleware(Guard, api_key=api_key)
+    if allowed_origins:  # outermost: a preflight is answered before auth
+        app.add_middleware(
+            CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
+    with contextlib.suppress(Exception):
+        app.openapi()  # built once at start: a schema error fails the start, not a client
+    return app
