@@ -157,7 +157,9 @@ class Plan:
         ax["attn_o"] = _blocks(heads, q2, hd)
         nk, nv = int(t["linear_num_key_heads"]), int(t["linear_num_value_heads"])
         dk, dv = int(t["linear_key_head_dim"]), int(t["linear_value_head_dim"])
-        nk2, nv2 = _groups(nk, nv, factor, sizes.linear_key_heads, sizes.linear_value_heads, "linear attention")
+        nk2, nv2 = _groups(
+            nk, nv, factor, sizes.linear_key_heads, sizes.linear_value_heads, "linear attention"
+        )
         vheads = _grouped(nk, nv // nk, nk2, nv2 // nk2)
         key = _blocks(_append(nk), nk2, dk)
         ax["gdn_qkv"] = _cat(key, key, _blocks(vheads, nv2, dv))  # conv channels: [q, k, v]
@@ -174,7 +176,9 @@ class Plan:
     def _deepseek_v3(self, t: dict, sizes: Sizes, factor: float, ax: dict[str, Axis]) -> None:
         layers = int(t["num_hidden_layers"]) + int(t.get("num_nextn_predict_layers") or 0)
         if t.get("n_routed_experts") and int(t.get("first_k_dense_replace") or 0) < layers:
-            raise WidenError("MoE layers are not widened (dense layers only: first_k_dense_replace too small)")
+            raise WidenError(
+                "MoE layers are not widened (dense layers only: first_k_dense_replace too small)"
+            )
         h = int(t["num_attention_heads"])
         h2 = _scaled(h, factor, sizes.heads, "attention heads")
         qhd = int(t["qk_nope_head_dim"]) + int(t["qk_rope_head_dim"])
@@ -206,7 +210,9 @@ class Plan:
         out = []
         for a, n in zip(axes, shape):
             if a is not None and self.axes[a].index.size != n:
-                raise WidenError(f"tensor {name!r}: axis of {n} entries, the config implies {self.axes[a].index.size}")
+                raise WidenError(
+                    f"tensor {name!r}: axis of {n} entries, the config implies {self.axes[a].index.size}"
+                )
             out.append(self.axes[a].size if a is not None else n)
         return tuple(out)
 
@@ -236,7 +242,9 @@ class Plan:
             out = rng.standard_normal(shape, dtype=np.float32) * np.float32(spread)
             if kind == "lm_head":
                 x = x / self.s
-        index = np.ix_(*[self.axes[a].index if a is not None else np.arange(n) for a, n in zip(axes, src.shape)])
+        index = np.ix_(
+            *[self.axes[a].index if a is not None else np.arange(n) for a, n in zip(axes, src.shape)]
+        )
         out[index] = x
         return out.astype(src.dtype)
 

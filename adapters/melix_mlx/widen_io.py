@@ -97,25 +97,27 @@ def _source_files(src: Path) -> Iterator[Path]:
     yield from files
 
 
-def widen_checkpoint(src: Path, dst: Path, sizes: Sizes, *, seed: int = 0, force: bool = False) -> dict[str, Any]:
+def widen_checkpoint(
+    src: Path, dst: Path, sizes: Sizes, *, seed: int = 0, force: bool = False
+) -> dict[str, Any]:
     """Write the widened copy of checkpoint folder `src` to `dst`; returns the receipt."""
     src, dst = Path(src), Path(dst)
     if not (src / "config.json").is_file():
         raise WidenError(f"{src}: not a checkpoint folder (no config.json)")
-    if dst.exists() and not force:
-        raise WidenError(f"{dst} exists (pass --force to replace it)")
-    if dst.resolve() == src.resolve():
-        raise WidenError("DST must differ from SRC")
     config = json.loads((src / "config.json").read_text())
     plan = Plan(config, sizes)
     files = {path.name: (path, _header(path)) for path in _source_files(src)}
     shapes: dict[str, tuple[int, ...]] = {}
-    for path, header in files.values():
+    for path, _ in files.values():
         for name, (code, shape) in _tensors(path).items():
             if code not in DTYPES:
                 raise WidenError(f"tensor {name!r}: dtype {code} (widening reads F32 / F16)")
             shapes[name] = shape
     plan.check(shapes)
+    if dst.exists() and not force:
+        raise WidenError(f"{dst} exists (pass --force to replace it)")
+    if dst.resolve() == src.resolve():
+        raise WidenError("DST must differ from SRC")
     layout = {
         fname: [(n, code, plan.shape(n, shape)) for n, (code, shape) in _tensors(path).items()]
         for fname, (path, _) in files.items()
