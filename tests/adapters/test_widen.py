@@ -105,6 +105,24 @@ def test_mlx_lm_loads_it_and_the_logits_are_the_sources(variant: str, widened) -
         assert mx.array_equal(mx.argmax(la, axis=-1), mx.argmax(lb, axis=-1)).item()
 
 
+@pytest.mark.parametrize("source", ["stdlib-hybrid", "stdlib-tiny"])
+def test_norms_stay_exact_with_a_large_eps(source: str, tmp_path: Path) -> None:
+    """With rms_norm_eps 0.5 the eps handling shows: rescaling only the norm weights (or
+    scaling eps, which the per-head norms share) moves the logits far beyond the atol."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in _present(source).iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.get("text_config", cfg)["rms_norm_eps"] = 0.5
+    (src / "config.json").write_text(json.dumps(cfg))
+    widen_checkpoint(src, tmp_path / "dst", Sizes(hidden=2 * cfg.get("text_config", cfg)["hidden_size"]))
+    a, tok = mlx_lm.load(str(src))
+    b, _ = mlx_lm.load(str(tmp_path / "dst"))
+    x = mx.array([_ids(tok, PROMPTS[1])])
+    assert mx.abs(a(x) - b(x)).max().item() <= LOGIT_ATOL
+
+
 @pytest.mark.parametrize("variant", ["hybrid-x2", "tiny-x2"])
 def test_residual_stream_new_dims_are_zero_and_old_dims_scaled(variant: str, widened) -> None:
     from melix_mlx.hidden import main_parts
