@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared run on a machine with an NVIDIA GPU (issue 34, "ready for a GPU"), < 8 minutes:
 #   1. install mlx with its CUDA backend (mlx[cuda13], else mlx[cuda12]) and this project
-#      into a fresh venv (.venv-gpu),
+#      into a fresh venv (.cache/venv-gpu),
 #   2. build the widened checkpoints (presets stdlib-hybrid-wide, stdlib-tiny-wide; ~1.4 and
 #      ~1.0 GB float32) into a cache folder,
 #   3. run the widening identity tests, the realistic-size (slow-marked) ones included,
@@ -18,7 +18,8 @@
 #   --quick       tiny bench settings (a smoke run of the plumbing, minutes on a CPU)
 # Offline machines: WHEELHOUSE=/path/to/wheels makes pip install from that folder only
 # (mlx, mlx-cuda-13 or mlx-cuda-12, mlx-lm and their dependencies, msgspec,
-# python-statemachine, pytest, hypothesis).
+# python-statemachine, pytest, hypothesis, tqdm, matplotlib, and hatchling to install this
+# project).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -33,7 +34,7 @@ for arg in "$@"; do
   esac
 done
 RESULTS="${RESULTS:-$ROOT/benchmarks/results/gpu-$(date -u +%Y%m%dT%H%M%SZ)}"
-export MELIX_FSM_CACHE="${MELIX_FSM_CACHE:-$ROOT/.cache-gpu}"
+export MELIX_FSM_CACHE="${MELIX_FSM_CACHE:-$ROOT/.cache/widened}"  # /.cache/ is git-ignored
 export PYTHONUNBUFFERED=1
 mkdir -p "$RESULTS" "$MELIX_FSM_CACHE"
 SUMMARY="$RESULTS/summary.txt"
@@ -65,15 +66,15 @@ if [ -n "${WHEELHOUSE:-}" ]; then
 fi
 
 install() {
-  python3 -m venv "$ROOT/.venv-gpu" || return 1
+  python3 -m venv "$ROOT/.cache/venv-gpu" || return 1
   # shellcheck disable=SC1091
-  . "$ROOT/.venv-gpu/bin/activate"
+  . "$ROOT/.cache/venv-gpu/bin/activate"
   python -m pip install -q "${PIP_SRC[@]}" --upgrade pip >/dev/null 2>&1 || true
   # the CUDA backend first; the project's own [mlx] extra would pull mlx[cpu] on Linux
   python -m pip install -q "${PIP_SRC[@]}" "mlx[cuda13]" || python -m pip install -q "${PIP_SRC[@]}" "mlx[cuda12]" \
     || return 1
   python -m pip install -q "${PIP_SRC[@]}" "mlx-lm>=0.32,<0.33" msgspec "python-statemachine>=3.2,<4" \
-    pytest hypothesis tqdm || return 1
+    pytest hypothesis tqdm matplotlib || return 1
   python -m pip install -q "${PIP_SRC[@]}" --no-deps --no-build-isolation -e "$ROOT" \
     || python -m pip install -q "${PIP_SRC[@]}" --no-deps -e "$ROOT"
 }
@@ -81,7 +82,7 @@ install() {
 if [ "$INSTALL" = 1 ]; then
   step install 150 install
   # shellcheck disable=SC1091
-  [ -f "$ROOT/.venv-gpu/bin/activate" ] && . "$ROOT/.venv-gpu/bin/activate"
+  [ -f "$ROOT/.cache/venv-gpu/bin/activate" ] && . "$ROOT/.cache/venv-gpu/bin/activate"
 fi
 
 step device 30 python - <<'EOF'
@@ -104,24 +105,30 @@ if [ "$QUICK" = 1 ]; then
   # takes seconds per run on a CPU)
   TESTS=(-m "not slow" -k "logits or cli")
   ROUNDS=3; TOKENS=8; REPEATS=1; BATCHES=(1); KS=(2)
+  # small widenings (hidden 256): the same code paths, seconds instead of minutes on a CPU
+  MODELS=("$MELIX_FSM_CACHE/quick-hybrid" "$MELIX_FSM_CACHE/quick-tiny")
+  step widen-quick 60 bash -c "melix-fsm widen stdlib-hybrid ${MODELS[0]} --hidden 256 --force \
+    && melix-fsm widen stdlib-tiny ${MODELS[1]} --hidden 256 --force"
   echo '["def main(argv=None):\n    parser = ", "The cache keeps the most recent entries and"]' \
     >"$RESULTS/quick-prompts.json"
   PROMPTS=(--prompts "$RESULTS/quick-prompts.json")
 else
   TESTS=(-m "slow or not slow")  # the realistic presets' greedy identity is slow-marked
   ROUNDS=15; TOKENS=64; REPEATS=3; BATCHES=(1 4); KS=(1 2)
+  MODELS=(stdlib-hybrid-wide stdlib-tiny-wide)
 fi
 step identity 120 python -m pytest -q -p no:cacheprovider tests/adapters/test_widen.py "${TESTS[@]}"
 
-step sizes 45 python benchmarks/bench_widen_sizes.py stdlib-hybrid-wide stdlib-tiny-wide --rounds "$ROUNDS"
+step sizes 45 python benchmarks/bench_widen_sizes.py "${MODELS[@]}" --rounds "$ROUNDS"
 cp "$RESULTS/sizes.log" "$RESULTS/sizes.jsonl" 2>/dev/null
 
-for model in stdlib-hybrid-wide stdlib-tiny-wide; do
+for model in "${MODELS[@]}"; do
   # --regime current: this process's device (the GPU when mlx found it); no A/A control
   # to stay inside the time budget; the draft-model cell uses the embedded draft model.
-  step "bench-$model" 120 melix-fsm bench "${PROMPTS[@]}" --model "$model" --regime current --no-progress --no-aa-control \
-    --batch-sizes "${BATCHES[@]}" --ks "${KS[@]}" --temps 0 --max-tokens "$TOKENS" --repeats "$REPEATS" \
-    --out "$RESULTS/bench-$model"
+  name="$(basename "$model")"
+  step "bench-$name" 120 melix-fsm bench "${PROMPTS[@]}" --model "$model" --regime current --no-progress \
+    --no-aa-control --batch-sizes "${BATCHES[@]}" --ks "${KS[@]}" --temps 0 --max-tokens "$TOKENS" \
+    --repeats "$REPEATS" --out "$RESULTS/bench-$name"
 done
 
 echo "total $((SECONDS - START))s" >>"$SUMMARY"
