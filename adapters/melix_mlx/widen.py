@@ -39,8 +39,10 @@ from typing import Any
 
 import numpy as np
 
+from melix_fsm.errors import MelixError
 
-class WidenError(ValueError):
+
+class WidenError(MelixError, ValueError):
     """A checkpoint or a size this widening cannot handle exactly."""
 
 
