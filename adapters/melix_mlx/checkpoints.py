@@ -10,6 +10,8 @@ Rules:
   directory called ``stdlib-tiny`` is theirs); otherwise an alias gives its embedded
   directory; anything else is returned unchanged as a path, so callers keep their own
   "not a directory" errors.
+- A widened preset name (``widen_presets.PRESETS``, e.g. ``stdlib-hybrid-wide``) gives its
+  folder in the cache directory, widened from the embedded source on first use.
 - No mlx import here: the CLI resolves names before loading anything.
 """
 
@@ -33,7 +35,11 @@ def resolve_model(arg: str | Path) -> Path:
     path = Path(arg)
     if path.exists():
         return path
-    return EMBEDDED.get(str(arg), path)
+    if str(arg) in EMBEDDED:
+        return EMBEDDED[str(arg)]
+    from .widen_presets import PRESETS, ensure
+
+    return ensure(str(arg)) if str(arg) in PRESETS else path
 
 
 def aliases() -> list[str]:

@@ -19,6 +19,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "melix_mlx.commands.calibrate",
     "melix_mlx.commands.bench",
     "melix_mlx.commands.make_tiny",
+    "melix_mlx.commands.widen",
     "melix_mlx.commands.convert",
     "melix_mlx.commands.qa",
 )
