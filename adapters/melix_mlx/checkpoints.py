@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .widen_presets import PRESETS, ensure
+
 ASSETS = Path(__file__).resolve().parent / "assets"
 
 EMBEDDED: dict[str, Path] = {
@@ -37,9 +39,9 @@ def resolve_model(arg: str | Path) -> Path:
         return path
     if str(arg) in EMBEDDED:
         return EMBEDDED[str(arg)]
-    from .widen_presets import PRESETS, ensure
-
-    return ensure(str(arg)) if str(arg) in PRESETS else path
+    if str(arg) in PRESETS:  # widened on first use from its embedded source
+        return ensure(str(arg), EMBEDDED[PRESETS[str(arg)][0]])
+    return path
 
 
 def aliases() -> list[str]:

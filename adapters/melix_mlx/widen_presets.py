@@ -14,9 +14,10 @@ Rules:
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
+
+from melix_fsm.commands.paths import cache_dir
 
 from .widen import Sizes
 
@@ -25,11 +26,6 @@ PRESETS: dict[str, tuple[str, Sizes]] = {
     "stdlib-hybrid-wide": ("stdlib-hybrid", Sizes(hidden=1024)),
     "stdlib-tiny-wide": ("stdlib-tiny", Sizes(hidden=1024)),
 }
-
-
-def cache_dir() -> Path:
-    env = os.environ.get("MELIX_FSM_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "melix-fsm"
 
 
 def _current(path: Path, sizes: Sizes) -> bool:
@@ -41,9 +37,9 @@ def _current(path: Path, sizes: Sizes) -> bool:
     return data.get("requested") == wanted and data.get("seed") == SEED
 
 
-def ensure(name: str, dst: Path | None = None, *, force: bool = False) -> Path:
-    """The folder of preset `name` (in the cache unless `dst`), widened if not current."""
-    from .checkpoints import EMBEDDED
+def ensure(name: str, source_dir: Path, dst: Path | None = None, *, force: bool = False) -> Path:
+    """The folder of preset `name` (in the cache unless `dst`), widened from `source_dir`
+    (the preset's source checkpoint, resolved by the caller) if not current."""
     from .widen_io import widen_checkpoint
 
     source, sizes = PRESETS[name]
@@ -51,5 +47,5 @@ def ensure(name: str, dst: Path | None = None, *, force: bool = False) -> Path:
     if force or not _current(path, sizes):
         print(f"melix-fsm: widening {source} to hidden {sizes.hidden} into {path} (once)", file=sys.stderr)
         path.parent.mkdir(parents=True, exist_ok=True)
-        widen_checkpoint(EMBEDDED[source], path, sizes, seed=SEED, force=True)
+        widen_checkpoint(source_dir, path, sizes, seed=SEED, force=True)
     return path

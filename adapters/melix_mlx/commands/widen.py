@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
             if args.src is not None and args.dst is not None:
                 return _fail("--preset takes at most DST")
             dst = args.src  # with --preset the only positional is DST
-            out = ensure(args.preset, None if dst is None else Path(dst), force=args.force)
+            source = resolve_model(PRESETS[args.preset][0])
+            out = ensure(args.preset, source, None if dst is None else Path(dst), force=args.force)
         else:
             if args.src is None or args.dst is None or args.hidden is None:
                 return _fail("SRC, DST and --hidden H are required (or --preset NAME)")
