@@ -195,6 +195,38 @@ class MTPBatchGenerator(BatchSurface):
             end = BatchCountersSnapshot(**asdict(self._counters))
             stats += BatchCountersSnapshot.between(start, end)
 
+    # -- hooks for a server wrapping the generator (melix_mlx.serve.runtime) ---------------
+    @property
+    def next_uid(self) -> int:
+        """The uid the next inserted request gets."""
+        return self._uid_count
+
+    def reserve_uid(self) -> int:
+        """A uid for a request that never joins (its insert failed): uids stay unique."""
+        uid = self._uid_count
+        self._uid_count += 1
+        return uid
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens processed since the generator was built (mlx-lm's counter)."""
+        return self._counters.prompt_tokens
+
+    def end_all(self, reason: str) -> list[Any]:
+        """Finish every row at once, e.g. when the batched step itself failed: a step in
+        flight is undone first, each row gets its finish event (with `reason`), the batch
+        empties. Returns the uids that left."""
+        uids = list(self.batch.uids)
+        if self._ahead is not None:
+            with contextlib.suppress(RuntimeError):  # a plain step across a reshape only settles
+                self.engine.abandon(self._ahead)
+            self._ahead = None
+        with contextlib.suppress(Exception):  # rows may be mid-cycle: they leave regardless
+            ended = Signal(event=lc.FINISH.event, reason=reason)
+            self._apply_signals(Operation.finish, {uid: ended for uid in uids})
+        self._filter([])
+        return uids
+
     def speculative_stats(self) -> dict[str, Any]:
         """Batch totals of the lifecycle counters (retired rows included) and forward counts."""
         out = self.batch.totals().summary()

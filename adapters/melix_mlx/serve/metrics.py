@@ -88,21 +88,27 @@ class ServeMetrics:
         r.register(_PolicyCollector(controller))
         self._window: deque[tuple[float, int]] = deque()
         self._verified = [0, 0]  # accepted, accepted + rejected
+        self._counters: dict[Any, Any] = {}  # uid -> its lifecycle counters at the last report
         self.peak = 0
 
     def observe_step(self, report: Any, tokens: int, prompt_tokens: int, rows: Any) -> None:
+        """One step's report: the lifecycle's own counters per row (their change since the
+        last report), never effects recomputed from the events."""
         for row in report.rows:
-            pending = 0
-            for signal in row.events:
-                if signal.event is lc.Event("draft"):
-                    self.proposed.inc(signal.drafts)
-                    pending = signal.drafts
-                elif signal.event is lc.Event("verified"):
-                    self.accepted.inc(signal.accepted)
-                    self._verified[0] += signal.accepted
-                    rejected, pending = max(0, pending - signal.accepted), 0
-                    self.rejected.inc(rejected)
-                    self._verified[1] += signal.accepted + rejected
+            if row.counters is None:
+                continue
+            before = self._counters.get(row.uid)
+            proposed = row.counters.proposed - (before.proposed if before else 0)
+            accepted = row.counters.accepted - (before.accepted if before else 0)
+            rejected = row.counters.rejected - (before.rejected if before else 0)
+            self.proposed.inc(proposed)
+            self.accepted.inc(accepted)
+            self.rejected.inc(rejected)
+            self._verified[0] += accepted
+            self._verified[1] += accepted + rejected
+            self._counters[row.uid] = row.counters
+        for uid in report.left:  # a row that left reports no more
+            self._counters.pop(uid, None)
         if self._verified[1]:
             self.acceptance.set(self._verified[0] / self._verified[1])
         self.generated.inc(tokens)
@@ -119,9 +125,9 @@ class ServeMetrics:
     def observe_rows(self, rows: Any) -> None:
         counts = {"speculating": 0, "suspended": 0, "plain": 0}
         for row in rows:
-            if row.state is State("suspended"):
+            if row.state is State.suspended:
                 counts["suspended"] += 1
-            elif row.state in lc.CYCLE_READY and row.payload.refusal is None and row.payload.fault is None:
+            elif row.state in lc.CYCLE_READY:  # refused and faulted rows are never cycle-ready
                 counts["speculating"] += 1
             else:
                 counts["plain"] += 1

@@ -87,14 +87,13 @@ def load_served_model(
     `kv` holds mlx-lm's quantized-KV keyword arguments (melix_fsm.commands.options.kv_arguments).
     Raises ServeRefused (typed) or ServeError (usage) before the server listens.
     """
-    from melix_fsm.config import Method, Source, speculative_config
+    from melix_fsm.config import speculative_config
     from melix_fsm.errors import ConfigError
     from melix_fsm.lifecycle import SequenceMachine
-    from melix_fsm.receipt import Mode, ServingContext, receipt_json, resolve, serving_refusal
-    from melix_mlx.activation import evaluate
+    from melix_fsm.receipt import ServingContext, receipt_json, resolve, serving_refusal
     from melix_mlx.checkpoints import DEFAULT, resolve_model
-    from melix_mlx.errors import HeadLoadError, UnsupportedServing, batched_quantized_kv
-    from melix_mlx.method_load import load_for_method, load_plain
+    from melix_mlx.errors import batched_quantized_kv
+    from melix_mlx.startup import StartFailed, StartRefused, start
 
     try:
         draft_dir = str(resolve_model(draft_model)) if draft_model else None
@@ -118,41 +117,23 @@ def load_served_model(
         batched=True,
         kv_group_size=kv.get("kv_group_size") if kv else None,
     )
-    receipt = resolve(path, config, context=context, machine=SequenceMachine(0))
-    receipt_data = json.loads(receipt_json(receipt))
-    if receipt.refusal_reason is RefusalReason.unreadable_checkpoint:
-        raise ServeError(f"{path}: {receipt.message}")
-    unservable = serving_refusal(path, context)
-    if unservable is None and kv:  # no batch cache quantizes, whatever the family
-        blocked = batched_quantized_kv()
-        unservable = (blocked.reason, blocked.message)
-    if unservable is not None:  # not even plain decoding can serve this context
-        raise ServeRefused(unservable[0], unservable[1], receipt_data)
-    explicit = config.method is not Method.none and config.sources.method is Source.explicit
-    if receipt.mode is Mode.refused and explicit:  # fail closed, as `generate` does
-        raise ServeRefused(receipt.refusal_reason, receipt.message, receipt_data)
-    refusal = None if receipt.mode is Mode.accepted else f"{receipt.refusal_reason.value}: {receipt.message}"
-    head = controller = head_error = None
+    if kv:  # no batch cache quantizes, whatever the family: refused before anything loads
+        receipt = resolve(path, config, context=context, machine=SequenceMachine(0))
+        unreadable = receipt.refusal_reason is RefusalReason.unreadable_checkpoint
+        if not unreadable and serving_refusal(path, context) is None:  # else `start` says why
+            blocked = batched_quantized_kv()
+            raise ServeRefused(blocked.reason, blocked.message, json.loads(receipt_json(receipt)))
     try:
-        if refusal is None:
-            try:
-                main, tokenizer, head = load_for_method(path, config)
-            except (HeadLoadError, UnsupportedServing) as exc:
-                if explicit:
-                    raise ServeRefused(exc.reason, str(exc), receipt_data) from exc
-                head_error = {"reason": str(exc.reason), "message": str(exc)}
-                refusal = f"{exc.reason}: {exc}"
-        if head is None:
-            main, tokenizer = load_plain(path)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ServeError(f"cannot load {path}: {type(exc).__name__}: {exc}") from exc
-    k = config.num_draft_tokens
-    if head is not None and refusal is None:
-        activation = evaluate(main, head, receipt, config, batch_size=1)
-        receipt_data = json.loads(receipt_json(activation.receipt))
-        controller = activation.controller
-        if k == "auto":  # rows draft up to the deepest k the controller may choose
-            k = controller.depth.max_k
+        # the one start-up sequence `generate` runs too: receipt, load, device policy
+        boot = start(path, config, context, batch_size=1)
+    except StartRefused as exc:
+        if exc.usage:
+            raise ServeError(f"{path}: {exc.message}") from exc
+        raise ServeRefused(RefusalReason(exc.reason), exc.message, exc.receipt) from exc
+    except StartFailed as exc:
+        raise ServeError(str(exc)) from exc
+    main, tokenizer, head, controller = boot.model, boot.tokenizer, boot.head, boot.controller
+    refusal, head_error, receipt_data, k = boot.refusal, boot.load_error, boot.receipt_data, boot.k
     settings = {
         "method": config.method.value,
         "num_draft_tokens": config.num_draft_tokens,
@@ -166,9 +147,9 @@ def load_served_model(
         path=path,
         model=main,
         tokenizer=tokenizer,
-        head=head if refusal is None else None,
+        head=head,
         controller=controller,
-        num_draft_tokens=int(k) if k != "auto" else 1,
+        num_draft_tokens=k,
         refusal=refusal,
         receipt=receipt_data,
         settings=settings,

@@ -54,10 +54,7 @@ from typing import Any
 from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.server import GenerationContext, ResponseGenerator
 
-from melix_fsm import lifecycle as lc
-from melix_fsm.batch import Operation
 from melix_fsm.errors import MelixError
-from melix_fsm.lifecycle import Signal
 
 from ..batch_generator import MTPBatchGenerator
 from .chunks import split_segments
@@ -148,7 +145,7 @@ class ServingBatchGenerator(MTPBatchGenerator):
         self._failed: dict[int, BaseException] = {}
 
     def insert_segments(self, segments: list, *args: Any, **kwargs: Any) -> list[int]:
-        first = self._uid_count
+        first = self.next_uid
         held = kwargs.get("all_tokens") or [[] for _ in segments]
         cut = [split_segments(seq, len(h), self.prefill_chunk) for seq, h in zip(segments, held)]
         segments = [pieces if pieces else seq for (pieces, _), seq in zip(cut, segments)]
@@ -160,8 +157,7 @@ class ServingBatchGenerator(MTPBatchGenerator):
         try:
             uids = super().insert_segments(segments, *args, **kwargs)
         except Exception as exc:  # mlx-lm's loop would die of it: the request fails alone
-            uids = [self._uid_count]
-            self._uid_count += 1
+            uids = [self.reserve_uid()]
             self._failed[uids[0]] = exc
         ctx = self._pending.pop() if self._pending else None
         for uid, (_, boundaries) in zip(uids, cut):
@@ -210,7 +206,7 @@ class ServingBatchGenerator(MTPBatchGenerator):
         return out
 
     def next(self) -> tuple[list, list]:
-        prompt_before = self._counters.prompt_tokens
+        prompt_before = self.prompt_tokens
         dropped = self._drop_cancelled()
         try:
             prompt_responses, generation = super().next()
@@ -231,21 +227,12 @@ class ServingBatchGenerator(MTPBatchGenerator):
                 ctx = self.contexts.pop(r.uid)
                 ctx.speculative = speculative_usage(r.stats, self.refusal, self.method)
         self.metrics.observe_step(
-            self.last_report, len(generation), self._counters.prompt_tokens - prompt_before, self.batch.rows
+            self.last_report, len(generation), self.prompt_tokens - prompt_before, self.batch.rows
         )
         return prompt_responses, generation
 
     def _abandon_batch(self, exc: BaseException) -> None:
-        uids = list(self.batch.uids)
-        with contextlib.suppress(Exception):  # rows may be mid-cycle; they leave regardless
-            ended = Signal(event=lc.FINISH.event, reason=f"error: {exc}")
-            self._apply_signals(Operation.finish, {uid: ended for uid in uids})
-        if self._ahead is not None:  # a step launched ahead is undone before the rows go
-            with contextlib.suppress(RuntimeError):
-                self.engine.abandon(self._ahead)
-        self._ahead = None
-        self._filter([])
-        for uid in uids:
+        for uid in self.end_all(f"error: {exc}"):
             self._failed.setdefault(uid, exc)
 
     def _end_with_errors(self, failed: dict[int, BaseException]) -> list[PromptProcessingBatch.Response]:
