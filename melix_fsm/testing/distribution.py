@@ -119,8 +119,9 @@ def normal_two_sided(z: float) -> float:
 @dataclass
 class PositionResult:
     position: int
-    draws: int = 0
+    draws: int = 0  # in the G-test's prefix groups
     groups: int = 0
+    reached: int = 0  # draws that got this far
     g: float = 0.0
     df: int = 0
     p_value: float = 1.0  # the G-test's
@@ -132,6 +133,7 @@ class PositionResult:
     def as_dict(self) -> dict[str, Any]:
         return {
             "position": self.position,
+            "draws": self.reached,
             "draws_tested": self.draws,
             "prefix_groups": self.groups,
             "G": round(self.g, 3),
@@ -206,8 +208,11 @@ def measure_distribution(
     min_group: int = 40,
     min_draws: int = 5,
     max_groups: int = 256,
+    positions: int = 0,
 ) -> DistributionResult:
     """Test every position of `samples` (continuations of `prompt`); never raises.
+
+    `positions`: report at least this many positions (those no draw reached show 0 draws).
 
     `probs_of(contexts)` answers a whole position's prefixes at once (one batched forward).
     Per position, only the `max_groups` largest prefix groups of at least `min_draws`
@@ -215,14 +220,14 @@ def measure_distribution(
     G-test.
     """
     prompt = tuple(int(t) for t in prompt)
-    length = max((len(s) for s in samples), default=0)
+    length = max(max((len(s) for s in samples), default=0), positions)
     result = DistributionResult(prompt, len(samples), alpha)
     for j in range(length):
         groups: dict[tuple[int, ...], Counter[int]] = {}
         for s in samples:
             if len(s) > j:
                 groups.setdefault(tuple(s[:j]), Counter())[int(s[j])] += 1
-        row = PositionResult(j)
+        row = PositionResult(j, reached=sum(len(s) > j for s in samples))
         # the largest groups only: which prefixes are tested depends on earlier tokens alone,
         # so the tests stay valid, and the target's forwards stay bounded
         ranked = sorted(groups, key=lambda prefix: -sum(groups[prefix].values()))
@@ -284,21 +289,25 @@ def draw_with_restarts(
     per_insert: int = 64,
     surface: str = "auto",
     make_stops: Any = None,
-    max_restarts: int = 16,
+    max_restarts: int = 32,
 ) -> tuple[list[tuple[int, ...]], list[ConformanceError]]:
-    """Draws that survive the generator's crashes, and the crashes (see the module rules)."""
+    """Draws that survive the generator's crashes, and the crashes (see the module rules).
+
+    After each crash the next generator gets half as many draws at a time (down to one):
+    crashes of reshapes (rows finishing while others continue) then get rarer.
+    """
     samples: list[tuple[int, ...]] = []
     crashes: list[ConformanceError] = []
-    inserted = 0
-    while inserted < draws and len(crashes) <= max_restarts:
-        got, err = _draw(make_generator(), prompt, draws - inserted, length, per_insert, surface, make_stops)
-        inserted += len(got)
-        samples += [s for s in got if s]
+    while len(samples) < draws and len(crashes) <= max_restarts:
+        wanted = draws - len(samples)
+        got, err = _draw(make_generator(), prompt, wanted, length, per_insert, surface, make_stops)
+        samples += [s for s in got if s]  # a draw cut short still samples its first positions
         if err is None:
             break
         crashes.append(err)
         if not got:  # the crash came before any insert went through: retrying changes nothing
             break
+        per_insert = max(1, per_insert // 2)
     return samples, crashes
 
 

@@ -120,8 +120,8 @@ class QaReport:
         if self.distribution is not None:
             for p in self.distribution.positions:
                 lines.append(
-                    f"  position {p.position}: G = {p.g:.1f}, df {p.df} ({p.groups} prefix groups, "
-                    f"{p.draws} draws), p = {p.p_value:.3g}; "
+                    f"  position {p.position} ({p.reached} draws): G = {p.g:.1f}, df {p.df} "
+                    f"({p.groups} prefix groups, {p.draws} draws), p = {p.p_value:.3g}; "
                     f"mean-probability z = {p.z:.2f}, p = {p.z_p_value:.3g}"
                 )
         for i, group in enumerate(self.causes, 1):
@@ -224,7 +224,9 @@ def _distribution(
         surface=surface,
         make_stops=make_stops,
     )
-    result = measure_distribution(samples, probs_of, op["prompt"], alpha=op["alpha"])
+    result = measure_distribution(
+        samples, probs_of, op["prompt"], alpha=op["alpha"], positions=op["max_tokens"]
+    )
     result.crashes = len(crashes)
     report.distribution = result
     report.sampling_crashes = []

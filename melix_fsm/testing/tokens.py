@@ -80,5 +80,3 @@ def mismatch(t: Tracked, finished: bool = False) -> str:
         f"stops {[list(s) for s in t.spec.stops]}) {how} tokens {list(got)}, reference {list(want)} "
         f"(first difference at position {at})"
     )
-
-
