@@ -181,3 +181,14 @@ def _only(bug: str) -> Any:
 
 for _bug in PLANTED:
     globals()[f"only_{_bug}"] = _only(_bug)
+
+
+STOPS_BUILT: list[list[tuple[int, ...]]] = []  # every call of counting_stops, for the test
+
+
+def counting_stops(stops: list[tuple[int, ...]]) -> Any:
+    """A `--stops` builder: mlx-lm's StopSequences, recording each call."""
+    from mlx_lm.generate import StopSequences
+
+    STOPS_BUILT.append([tuple(s) for s in stops])
+    return StopSequences([list(s) for s in stops] or None)

@@ -194,6 +194,27 @@ def test_a_sampling_path_crash_needs_the_sampled_probes(
     assert code == 0  # the control passes the same sampled schedule
 
 
+def test_stops_builder_from_the_command_line(capsys: pytest.CaptureFixture[str], model_dir: str) -> None:
+    import qa_planted_target
+
+    code, report, err = qa(
+        capsys,
+        "mlx-lm",
+        "--model",
+        model_dir,
+        "--json",
+        "--temperature",
+        "0",
+        "--stops",
+        "qa_planted_target:counting_stops",
+        *SMALL,
+    )
+    assert code == 0, (report, err)
+    built = qa_planted_target.STOPS_BUILT
+    assert any(stops for stops in built)  # requests with stop sequences went through the builder
+    assert built[:2] == [[(3,)], []]  # the command checks the builder once, with stops and without
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -203,6 +224,7 @@ def test_a_sampling_path_crash_needs_the_sampled_probes(
         (["mlx-lm", "--model", "{m}", "--skip", "bogus:*"], "unknown property"),
         (["mlx-lm", "--model", "{m}", "--temperature", "-1"], "temperature"),
         (["qa_planted_target:not_a_generator", "--model", "{m}"], "no generator surface"),
+        (["mlx-lm", "--model", "{m}", "--stops", "no_such_module_x:f"], "--stops: cannot import"),
         # a 0.31-style generator needs an mlx-lm that still has SequenceStateMachine
         (["qa_planted_target:old_style", "--model", "{m}"], "no SequenceStateMachine"),
     ],
