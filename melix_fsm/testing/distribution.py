@@ -289,7 +289,7 @@ def draw_with_restarts(
     per_insert: int = 64,
     surface: str = "auto",
     make_stops: Any = None,
-    max_restarts: int = 32,
+    max_restarts: int = 12,
 ) -> tuple[list[tuple[int, ...]], list[ConformanceError]]:
     """Draws that survive the generator's crashes, and the crashes (see the module rules).
 

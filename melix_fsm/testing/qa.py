@@ -16,6 +16,9 @@ Rules of this module:
   length, temperature, alpha), replayable like the others. A crash while drawing whose
   signature the hunt already found is the same bug (its entry notes the sampling run);
   a new one is a bug of its own. A signature in the skip list is reported as skipped.
+  After a crash, a failed distribution test is reported as inconclusive, not as a bug:
+  which draws a crash cuts short may depend on what they drew (an impossible token
+  stays a bug: no selection makes it possible).
 - Grouping by root cause, where the evidence allows (melix_fsm.testing.signature.
   same_cause): wrong-token signatures that share a trigger context (", ragged insert",
   ", joined running batch") are one cause, reported as one entry with its variants
@@ -151,6 +154,8 @@ def _distribution_line(report: QaReport) -> str:
         return f"distribution: not run ({report.distribution_note})"
     result = report.distribution
     verdict = "FAIL" if report.distribution_bug else "pass"
+    if report.distribution_note.startswith("inconclusive"):
+        verdict = "inconclusive"
     restarts = f"; the generator crashed {result.crashes} time(s) while drawing" if result.crashes else ""
     note = f"; {report.distribution_note}" if report.distribution_note else ""
     return (
@@ -248,6 +253,12 @@ def _distribution(
         sig = signature_of(err)
         if skipped(sig, report.hunt.skipped):
             report.distribution_note = f"{sig} skipped"
+        elif crashes and err.prop == "sampled_distribution":
+            # which draws a crash cut short depends on what they drew: no verdict on a bias
+            report.distribution_note = (
+                f"inconclusive: {sig} on draws cut short by {len(crashes)} crash(es), which may "
+                "select them; fix the crashes and run again"
+            )
         else:
             report.distribution_bug = Bug(sig, err.prop, err.detail, [op], 1, settings["seed"])
 
