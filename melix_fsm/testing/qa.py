@@ -16,7 +16,7 @@ Rules of this module:
   length, temperature, alpha), replayable like the others. A crash while drawing whose
   signature the hunt already found is the same bug (its entry notes the sampling run);
   a new one is a bug of its own. A signature in the skip list is reported as skipped.
-  After a crash, a failed distribution test is reported as inconclusive, not as a bug:
+  After a crash, the distribution is inconclusive either way (a failed test is not a bug):
   which draws a crash cuts short may depend on what they drew (an impossible token
   stays a bug: no selection makes it possible).
 - Grouping by root cause, where the evidence allows (melix_fsm.testing.signature.
@@ -261,6 +261,11 @@ def _distribution(
             )
         else:
             report.distribution_bug = Bug(sig, err.prop, err.detail, [op], 1, settings["seed"])
+    if crashes and not report.distribution_bug and not report.distribution_note:
+        report.distribution_note = (
+            f"inconclusive: the generator crashed {len(crashes)} time(s) while drawing; fix the crashes "
+            "and run again"
+        )
 
 
 def sample_operation(settings: Mapping[str, Any]) -> dict[str, Any]:

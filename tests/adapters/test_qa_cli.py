@@ -159,6 +159,7 @@ def test_one_small_run_finds_the_five_bug_classes(
     dist = report["distribution"]
     assert dist["generator_restarts"] > 0 and len(dist["positions"]) == 4
     assert dist["positions"][0]["draws"] > 0  # statistics, not null, although it crashed
+    assert report["distribution_note"].startswith("inconclusive")  # no verdict on draws a crash cut
     saved = tmp_path / "report.json"
     saved.write_text(json.dumps(report))
     code, replayed, _ = qa(
