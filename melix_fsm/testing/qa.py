@@ -116,7 +116,8 @@ class QaReport:
             + ")",
             f"exactness: {self.hunt.probes} probe schedule(s), then {self.hunt.rounds} round(s) of "
             f"{s.get('examples_per_round', '?')} examples ({self.hunt.examples} schedules run, shrinking "
-            f"included), profile {s.get('profile')}, seed {s.get('seed')}; {len(self.causes)} distinct bug(s)"
+            f"included), profile {s.get('profile')}, seed {s.get('seed')}; "
+            f"{len(group_causes(self.hunt.bugs))} distinct bug(s)"
             + (f"; skipped {', '.join(self.hunt.skipped)}" if self.hunt.skipped else ""),
         ]
         lines.append(_distribution_line(self))
