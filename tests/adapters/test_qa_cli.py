@@ -177,6 +177,18 @@ def test_one_small_run_finds_the_five_bug_classes(
     assert all(r["signature"] for r in replayed["replayed"]), replayed
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", ["1", "2", "3", "4", "5"])
+def test_the_default_quick_profile_finds_the_five_bug_classes_on_every_seed(
+    capsys: pytest.CaptureFixture[str], model_dir: str, seed: str
+) -> None:
+    code, report, err = qa(
+        capsys, "qa_planted_target:five_bugs", "--model", model_dir, "--json", "--quiet", "--seed", seed
+    )
+    assert code == 1, err
+    assert {b["signature"] for b in report["bugs"]} == FIVE and len(report["bugs"]) == 5
+
+
 def test_a_sampling_path_crash_needs_the_sampled_probes(
     capsys: pytest.CaptureFixture[str], model_dir: str, tmp_path: Path
 ) -> None:
