@@ -7,6 +7,9 @@ Rules of this module:
   shorter requests are answered by slicing.
 - The kit reaches this module only when a caller leaves the reference to the default, so
   `import melix_fsm.testing` never imports mlx.
+- No mlx-lm version floor: only `generate_step` is imported at module level (mlx-lm 0.31
+  has it); `StopSequences` (0.32 only) is imported when a stop object is built, and its
+  absence is a one-line error naming the 0.31 alternative.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import StopSequences, generate_step
+from mlx_lm.generate import generate_step
 
 Reference = Callable[[tuple[int, ...], int], tuple[int, ...]]
 
@@ -36,6 +39,13 @@ def greedy_reference(model: Any, *, min_tokens: int = 10) -> Reference:
     return reference
 
 
-def stop_sequences(stops: Sequence[Sequence[int]]) -> StopSequences:
-    """mlx-lm's `StopSequences` for one request (what `BatchGenerator.insert` takes)."""
+def stop_sequences(stops: Sequence[Sequence[int]]) -> Any:
+    """mlx-lm's `StopSequences` for one request (what 0.32's `BatchGenerator.insert` takes)."""
+    try:
+        from mlx_lm.generate import StopSequences
+    except ImportError:
+        raise ImportError(
+            "this mlx-lm has no StopSequences (it is older than 0.32): a 0.31-style generator takes "
+            "state_machines= (surface state-machines), or pass a stop builder (--stops / make_stops=)"
+        ) from None
     return StopSequences([list(s) for s in stops] or None)

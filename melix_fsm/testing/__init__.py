@@ -12,15 +12,17 @@ Rules of this package:
   on a generator, checks tokens, records the schedule; `replay` re-runs one), then
   `make_conformance_machine` / `run_conformance` (Hypothesis draws the operations and
   shrinks failures). On top: `hunt_bugs` (every distinct bug of a run, by `signature`,
-  shrunk further by `shrink`), `distribution` (sampled decoding against the target's
-  probabilities) and `qa` (the session and report behind `melix-fsm qa`).
+  shrunk further by `shrink`, after the fixed `probes`), `distribution` (sampled
+  decoding against the target's probabilities) and `qa` (the session and report behind
+  `melix-fsm qa`).
 """
 
-from .distribution import check_distribution, draw_continuations
+from .distribution import check_distribution, draw_continuations, draw_with_restarts, measure_distribution
 from .driver import ConformanceDriver, RequestSpec, replay
-from .hunt import Bug, HuntResult, hunt_bugs
+from .hunt import Bug, HuntResult, group_causes, hunt_bugs
 from .machine import PROFILES, make_conformance_machine, profile_settings, run_conformance
 from .mirror import PROPERTIES, ConformanceError, ReportMirror, allowed_emissions
+from .probes import probe_schedules
 from .reference import cut_at_stop, memoized, mlx_greedy_reference, mlx_stop_sequences
 from .shrink import shrink_schedule
 from .signature import Signature, signature_of
@@ -36,6 +38,10 @@ __all__ = [
     "as_surface",
     "check_distribution",
     "draw_continuations",
+    "draw_with_restarts",
+    "group_causes",
+    "measure_distribution",
+    "probe_schedules",
     "hunt_bugs",
     "shrink_schedule",
     "signature_of",

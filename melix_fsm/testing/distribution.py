@@ -21,7 +21,13 @@ Rules of this module:
   `alpha / (number of tests)` (Bonferroni): the stated false-alarm rate of a whole
   check is at most `alpha` (default 0.001) for a correct generator, up to the chi-square
   and normal approximations.
-- A drawn token with target probability exactly 0 fails at once (`impossible_token`).
+- A drawn token with target probability exactly 0 fails (`impossible_token`).
+- `measure_distribution` computes every position's statistics and never raises (the
+  report shows them even when the check fails); `check_distribution` raises on a miss.
+- `draw_with_restarts` keeps drawing when the generator crashes: every token drawn
+  before a crash stays (a draw cut short still samples its first positions), a fresh
+  generator draws the rest, and the crashes are returned for the report, so the
+  statistics exist even for a generator with a sampling-path crash.
 - `draw_continuations` gets the draws through the same surfaces as the exactness run and
   feeds a `ReportMirror` when the generator reports, so lifecycle events are checked
   under sampling too. Every failure is a `ConformanceError`.
@@ -113,8 +119,9 @@ def normal_two_sided(z: float) -> float:
 @dataclass
 class PositionResult:
     position: int
-    draws: int = 0
+    draws: int = 0  # in the G-test's prefix groups
     groups: int = 0
+    reached: int = 0  # draws that got this far
     g: float = 0.0
     df: int = 0
     p_value: float = 1.0  # the G-test's
@@ -126,6 +133,7 @@ class PositionResult:
     def as_dict(self) -> dict[str, Any]:
         return {
             "position": self.position,
+            "draws": self.reached,
             "draws_tested": self.draws,
             "prefix_groups": self.groups,
             "G": round(self.g, 3),
@@ -142,6 +150,8 @@ class DistributionResult:
     draws: int
     alpha: float
     positions: list[PositionResult] = field(default_factory=list)
+    impossible: str = ""  # the first drawn token of probability 0, described
+    crashes: int = 0  # generator restarts while drawing (draw_with_restarts)
 
     @property
     def tests(self) -> int:
@@ -160,6 +170,8 @@ class DistributionResult:
             "draws": self.draws,
             "alpha": self.alpha,
             "per_position_threshold": self.threshold,
+            "generator_restarts": self.crashes,
+            "impossible_token": self.impossible or None,
             "positions": [p.as_dict() for p in self.positions],
         }
 
@@ -168,13 +180,39 @@ def check_distribution(
     samples: Sequence[Sequence[int]],
     probs_of: Probabilities,
     prompt: Sequence[int],
+    **options: Any,
+) -> DistributionResult:
+    """`measure_distribution`, raising a ConformanceError on a miss (see the module rules)."""
+    result = measure_distribution(samples, probs_of, prompt, **options)
+    if result.impossible:
+        where = result.impossible.split(" after")[0]  # "position j"
+        raise ConformanceError("impossible_token", result.impossible, where=where)
+    for row in result.failing():
+        raise ConformanceError(
+            "sampled_distribution",
+            f"position {row.position}: G = {row.g:.1f} on {row.df} degrees of freedom over "
+            f"{row.draws} draws in {row.groups} prefix groups (p = {row.p_value:.3g}); mean target "
+            f"probability of the drawn tokens z = {row.z:.2f} (p = {row.z_p_value:.3g}); threshold "
+            f"{result.threshold:.3g} (alpha {result.alpha} over {result.tests} tests)",
+            where=f"position {row.position}",
+        )
+    return result
+
+
+def measure_distribution(
+    samples: Sequence[Sequence[int]],
+    probs_of: Probabilities,
+    prompt: Sequence[int],
     *,
     alpha: float = 1e-3,
     min_group: int = 40,
     min_draws: int = 5,
     max_groups: int = 256,
+    positions: int = 0,
 ) -> DistributionResult:
-    """Test every position of `samples` (continuations of `prompt`); raise on a miss.
+    """Test every position of `samples` (continuations of `prompt`); never raises.
+
+    `positions`: report at least this many positions (those no draw reached show 0 draws).
 
     `probs_of(contexts)` answers a whole position's prefixes at once (one batched forward).
     Per position, only the `max_groups` largest prefix groups of at least `min_draws`
@@ -182,14 +220,14 @@ def check_distribution(
     G-test.
     """
     prompt = tuple(int(t) for t in prompt)
-    length = max((len(s) for s in samples), default=0)
+    length = max(max((len(s) for s in samples), default=0), positions)
     result = DistributionResult(prompt, len(samples), alpha)
     for j in range(length):
         groups: dict[tuple[int, ...], Counter[int]] = {}
         for s in samples:
             if len(s) > j:
                 groups.setdefault(tuple(s[:j]), Counter())[int(s[j])] += 1
-        row = PositionResult(j)
+        row = PositionResult(j, reached=sum(len(s) > j for s in samples))
         # the largest groups only: which prefixes are tested depends on earlier tokens alone,
         # so the tests stay valid, and the target's forwards stay bounded
         ranked = sorted(groups, key=lambda prefix: -sum(groups[prefix].values()))
@@ -206,12 +244,10 @@ def check_distribution(
             if n < min_group:
                 continue
             for token in counts:
-                if token >= len(probs) or probs[token] == 0.0:
-                    raise ConformanceError(
-                        "impossible_token",
+                if (token >= len(probs) or probs[token] == 0.0) and not result.impossible:
+                    result.impossible = (
                         f"position {j} after prefix {list(prefix)}: token {token} was drawn "
-                        f"{counts[token]} times but has probability 0 under the target",
-                        where=f"position {j}",
+                        f"{counts[token]} times but has probability 0 under the target"
                     )
             g, df = g_statistic(counts, probs)
             if df:
@@ -224,15 +260,6 @@ def check_distribution(
             row.z = row._sum / math.sqrt(row._var)
             row.z_p_value = normal_two_sided(row.z)
         result.positions.append(row)
-    for row in result.failing():
-        raise ConformanceError(
-            "sampled_distribution",
-            f"position {row.position}: G = {row.g:.1f} on {row.df} degrees of freedom over "
-            f"{row.draws} draws in {row.groups} prefix groups (p = {row.p_value:.3g}); mean target "
-            f"probability of the drawn tokens z = {row.z:.2f} (p = {row.z_p_value:.3g}); threshold "
-            f"{result.threshold:.3g} (alpha {alpha} over {result.tests} tests)",
-            where=f"position {row.position}",
-        )
     return result
 
 
@@ -247,6 +274,53 @@ def draw_continuations(
     make_stops: Any = None,
 ) -> list[tuple[int, ...]]:
     """`draws` continuations of `prompt`, `length` tokens each, from one generator."""
+    samples, err = _draw(generator, prompt, draws, length, per_insert, surface, make_stops)
+    if err is not None:
+        raise err
+    return samples
+
+
+def draw_with_restarts(
+    make_generator: Callable[[], Any],
+    prompt: Sequence[int],
+    draws: int,
+    length: int,
+    *,
+    per_insert: int = 64,
+    surface: str = "auto",
+    make_stops: Any = None,
+    max_restarts: int = 12,
+) -> tuple[list[tuple[int, ...]], list[ConformanceError]]:
+    """Draws that survive the generator's crashes, and the crashes (see the module rules).
+
+    After each crash the next generator gets half as many draws at a time (down to one):
+    crashes of reshapes (rows finishing while others continue) then get rarer.
+    """
+    samples: list[tuple[int, ...]] = []
+    crashes: list[ConformanceError] = []
+    while len(samples) < draws and len(crashes) <= max_restarts:
+        wanted = draws - len(samples)
+        got, err = _draw(make_generator(), prompt, wanted, length, per_insert, surface, make_stops)
+        samples += [s for s in got if s]  # a draw cut short still samples its first positions
+        if err is None:
+            break
+        crashes.append(err)
+        if not got:  # the crash came before any insert went through: retrying changes nothing
+            break
+        per_insert = max(1, per_insert // 2)
+    return samples, crashes
+
+
+def _draw(
+    generator: Any,
+    prompt: Sequence[int],
+    draws: int,
+    length: int,
+    per_insert: int,
+    surface: str,
+    make_stops: Any,
+) -> tuple[list[tuple[int, ...]], ConformanceError | None]:
+    """Every inserted draw's tokens (cut short by a failure), and the failure."""
     s = as_surface(generator, surface, make_stops)
     mirror = ReportMirror() if s.report() is not None else None
     got: dict[Any, list[int]] = {}
@@ -255,29 +329,32 @@ def draw_continuations(
     inserted = 0
     steps = 0
     limit = 16 + 4 * draws * length
-    while inserted < draws or open_:
-        if inserted < draws and len(open_) < per_insert:
-            n = min(per_insert - len(open_), draws - inserted)
-            uids = _call(lambda n=n: s.insert([spec] * n))
-            open_.update(uids)
-            for uid in uids:
-                got[uid] = []
-            inserted += n
-        emissions = _call(s.step)
-        finished = [e.uid for e in emissions if e.finish_reason is not None]
-        if mirror is not None:
-            mirror.observe(s.report(), finished)
-        for e in emissions:
-            if e.uid not in open_:
-                raise ConformanceError(
-                    "unknown_uid", f"a token for uid {e.uid!r}, which is not generating", e.uid
-                )
-            got[e.uid].append(e.token)
-        open_.difference_update(finished)
-        steps += 1
-        if steps > limit:
-            raise ConformanceError("completion", f"{len(open_)} draws still open after {limit} steps")
-    return [tuple(tokens) for tokens in got.values()]
+    try:
+        while inserted < draws or open_:
+            if inserted < draws and len(open_) < per_insert:
+                n = min(per_insert - len(open_), draws - inserted)
+                uids = _call(lambda n=n: s.insert([spec] * n))
+                open_.update(uids)
+                for uid in uids:
+                    got[uid] = []
+                inserted += n
+            emissions = _call(s.step)
+            finished = [e.uid for e in emissions if e.finish_reason is not None]
+            if mirror is not None:
+                mirror.observe(s.report(), finished)
+            for e in emissions:
+                if e.uid not in open_:
+                    raise ConformanceError(
+                        "unknown_uid", f"a token for uid {e.uid!r}, which is not generating", e.uid
+                    )
+                got[e.uid].append(e.token)
+            open_.difference_update(finished)
+            steps += 1
+            if steps > limit:
+                raise ConformanceError("completion", f"{len(open_)} draws still open after {limit} steps")
+    except ConformanceError as err:
+        return [tuple(tokens) for tokens in got.values()], err
+    return [tuple(tokens) for tokens in got.values()], None
 
 
 @dataclass(frozen=True)

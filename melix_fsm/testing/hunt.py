@@ -11,6 +11,15 @@ Rules of this module:
 - A `Bug` is plain data: its signature, the failure's property and text, the shrunk
   schedule (replayable with `melix_fsm.testing.replay`), how many operations the
   schedule had before the replay shrink, and the round's seed.
+- Before the rounds, the probe schedules (melix_fsm.testing.probes) run: fixed shapes
+  that reach every known bug class whatever the seed, greedy and, with a
+  `sampled_factory`, sampled too. A probe that fails is shrunk and reported like a
+  round's failure, then run again with that signature skipped (up to `PROBE_RERUNS`
+  times), so one probe can reveal several bugs behind each other. A crash seen on both
+  paths has one signature: it is one bug.
+- A schedule that starts with a sampling marker runs on `sampled_factory()` with token
+  values unchecked (melix_fsm.testing.driver); all others on `generator_factory()`.
+- `progress(kind, value)`, when given, hears of each probe, example, round and bug.
 - Every round runs without Hypothesis's example database: a known bug must not be
   replayed first in the next round, and runs stay independent of earlier ones.
 - Pure core: no mlx.
@@ -30,9 +39,13 @@ from hypothesis.stateful import get_state_machine_test
 from .driver import ConformanceDriver
 from .machine import make_conformance_machine, profile_settings
 from .mirror import ConformanceError
+from .probes import is_sampled, probe_schedules
 from .reference import Reference, memoized
 from .shrink import Schedule, clean, shrink_schedule
-from .signature import Signature, signature_of, skipped
+from .signature import Signature, covers, same_cause, signature_of, skipped
+
+PROBE_RERUNS = 4
+Progress = Callable[[str, Any], None]
 
 
 @dataclass
@@ -44,6 +57,7 @@ class Bug:
     found_ops: int
     seed: int | None
     flaky: bool = False
+    also_seen: list[str] = field(default_factory=list)  # other runs that hit the same signature
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -54,6 +68,7 @@ class Bug:
             "operations_before_shrink": self.found_ops,
             "seed": self.seed,
             "flaky": self.flaky,
+            "also_seen": list(self.also_seen),
         }
 
 
@@ -63,6 +78,23 @@ class HuntResult:
     examples: int = 0
     rounds: int = 0
     skipped: list[str] = field(default_factory=list)
+    probes: int = 0  # probe schedules run (each once, more when it revealed a bug)
+
+    @property
+    def causes(self) -> list[list[Bug]]:
+        return group_causes(self.bugs)
+
+
+def group_causes(bugs: Sequence[Bug]) -> list[list[Bug]]:
+    """Bugs grouped by root cause (signature.same_cause): each group's first is its entry."""
+    groups: list[list[Bug]] = []
+    for bug in bugs:
+        home = next((g for g in groups if any(same_cause(b.signature, bug.signature) for b in g)), None)
+        if home is None:
+            groups.append([bug])
+        else:
+            home.append(bug)
+    return groups
 
 
 def hunt_bugs(
@@ -75,9 +107,15 @@ def hunt_bugs(
     max_rounds: int = 8,
     max_replays: int = 120,
     on_bug: Callable[[Bug], None] | None = None,
+    probes: bool = True,
+    probe_options: Mapping[str, Sequence[Any]] | None = None,
+    sampled_factory: Callable[[], Any] | None = None,
+    sampled_temperature: float | None = None,
+    progress: Progress | None = None,
     **machine_options: Any,
 ) -> HuntResult:
     """Hunt every distinct bug of `generator_factory()` against `reference` (module rules)."""
+    tell = progress or (lambda kind, value: None)
     chosen = Settings(profile_settings(settings), database=None)
     reference = memoized(reference)
     patterns = list(skip)
@@ -90,14 +128,50 @@ def hunt_bugs(
         if k in machine_options
     }
 
+    driver_options["sampled_factory"] = sampled_factory
+
     def known(err: ConformanceError) -> bool:
         return skipped(signature_of(err), patterns)
+
+    def record(bug: Bug, err: ConformanceError) -> None:
+        result.bugs.append(bug)
+        patterns.append(str(bug.signature))
+        if str(signature_of(err)) != str(bug.signature):
+            patterns.append(str(signature_of(err)))
+        tell("bug", str(bug.signature))
+        if on_bug is not None:
+            on_bug(bug)
+
+    if probes:
+        tell("phase", "probes")
+        temperature = sampled_temperature if sampled_factory is not None else None
+        tokens = machine_options.get("tokens", (3, 255))
+        shapes = probe_schedules(base, tokens=tokens, options=probe_options, temperature=temperature)
+        for name, schedule in shapes:
+            for _ in range(PROBE_RERUNS):
+                result.probes += 1
+                tell("probe", name)
+                try:
+                    err = replay_error(schedule, generator_factory, reference, known=known, **driver_options)
+                except Exception:  # noqa: BLE001  (the reference refused the probe: not the generator's)
+                    break
+                if err is None or known(err):
+                    break
+                shrink_args = (generator_factory, reference, driver_options, max_replays, known)
+                record(_shrunk_bug(err, False, base, *shrink_args), err)
 
     for round_index in range(max_rounds):
         round_seed = (base + round_index) % 2**32
         result.rounds += 1
+        tell("round", f"{round_index + 1} (seed {round_seed}, {len(result.bugs)} bug(s) so far)")
         machine = make_conformance_machine(
-            generator_factory, reference, skip=known, counter=counter, seed=round_seed, **machine_options
+            generator_factory,
+            reference,
+            skip=known,
+            counter=counter,
+            seed=round_seed,
+            on_example=lambda: tell("example", None),
+            **machine_options,
         )
         test = hypothesis.seed(round_seed)(get_state_machine_test(machine, settings=chosen))
         try:
@@ -107,14 +181,9 @@ def hunt_bugs(
             if err is None:
                 raise
             bug = _shrunk_bug(
-                err, flaky, round_seed, generator_factory, reference, driver_options, max_replays
+                err, flaky, round_seed, generator_factory, reference, driver_options, max_replays, known
             )
-            result.bugs.append(bug)
-            patterns.append(str(bug.signature))
-            if str(signature_of(err)) != str(bug.signature):
-                patterns.append(str(signature_of(err)))
-            if on_bug is not None:
-                on_bug(bug)
+            record(bug, err)
             continue
         break
     result.examples = counter[0]
@@ -137,10 +206,21 @@ def replay_error(
     schedule: Sequence[Mapping[str, Any]],
     generator_factory: Callable[[], Any],
     reference: Reference,
+    *,
+    sampled_factory: Callable[[], Any] | None = None,
     **driver_options: Any,
 ) -> ConformanceError | None:
-    """Replay a schedule on a fresh generator: the ConformanceError it raises, or None."""
-    driver = ConformanceDriver(generator_factory(), reference, **driver_options)
+    """Replay a schedule on a fresh generator: the ConformanceError it raises, or None.
+
+    A sampled schedule (a leading sampling marker) runs on `sampled_factory()`, tokens
+    unchecked; without a sampled factory it cannot run and raises ValueError.
+    """
+    if is_sampled(schedule) is not None:
+        if sampled_factory is None:
+            raise ValueError("a sampled schedule needs the sampled generator")
+        driver = ConformanceDriver(sampled_factory(), reference, check_tokens=False, **driver_options)
+    else:
+        driver = ConformanceDriver(generator_factory(), reference, **driver_options)
     try:
         driver.run(schedule)
     except ConformanceError as err:
@@ -156,22 +236,23 @@ def _shrunk_bug(
     reference: Reference,
     driver_options: dict[str, Any],
     max_replays: int,
+    known: Callable[[ConformanceError], bool] | None = None,
 ) -> Bug:
     signature = signature_of(err)
     found = clean(err.schedule)
 
     def fails(candidate: Schedule) -> bool:
-        try:
-            again = replay_error(candidate, factory, reference, **driver_options)
+        try:  # past the bugs already known, as the search ran: one of them may come first
+            again = replay_error(candidate, factory, reference, known=known, **driver_options)
         except Exception:  # noqa: BLE001  (a broken candidate, e.g. the reference refusing it)
             return False
-        return again is not None and signature_of(again) == signature
+        # the same bug, possibly without an incidental trigger context of the first find
+        return again is not None and covers(signature_of(again), signature)
 
     final = err
     schedule = found
     if not flaky and fails(found):
         schedule = shrink_schedule(found, fails, max_replays=max_replays)
-        final = replay_error(schedule, factory, reference, **driver_options) or err
-    return Bug(
-        signature, final.prop, final.detail, clean(final.schedule or schedule), len(found), seed, flaky
-    )
+        final = replay_error(schedule, factory, reference, known=known, **driver_options) or err
+    schedule = clean(final.schedule or schedule)
+    return Bug(signature_of(final), final.prop, final.detail, schedule, len(found), seed, flaky)

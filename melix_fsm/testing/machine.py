@@ -86,6 +86,7 @@ def make_conformance_machine(
     surface: str = "auto",
     skip: Callable[[ConformanceError], bool] | None = None,
     counter: list[int] | None = None,
+    on_example: Callable[[], None] | None = None,
 ) -> type[RuleBasedStateMachine]:
     """A RuleBasedStateMachine class checking `generator_factory()` against `reference`.
 
@@ -112,6 +113,8 @@ def make_conformance_machine(
             super().__init__()
             if counter is not None:
                 counter[0] += 1
+            if on_example is not None:
+                on_example()
             self.dead = False  # a skipped (known) bug ended this example
             self.driver = ConformanceDriver(
                 generator_factory(),

@@ -43,6 +43,8 @@ PROPERTIES: dict[str, str] = {
     "responses and report disagree about who finished",
     "responses_match_report": "the tokens a row reports differ from the responses next() returned",
     "tokens_match_reference": "a request's tokens differ from the reference decoder's",
+    "sampled_budget": "a sampled request got more than max_tokens tokens, or tokens after a completed "
+    "stop sequence",
     "no_tokens_after_end": "a request produced a token after it finished or was removed",
     "unknown_uid": "the generator reported or returned a uid the kit never got from insert()",
     "generator_batch": "the generator's own melix_fsm Batch disagrees with the mirror or breaks an invariant",

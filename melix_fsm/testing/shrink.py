@@ -13,7 +13,9 @@ Rules of this module:
 - Passes, repeated until none helps: cut everything after the first failing prefix;
   drop one operation at a time (last first); drop one request at a time from an insert
   (later requests' indices in `remove` operations are renumbered; removes of the dropped
-  request go with it); turn a `drain` into a single `next`.
+  request go with it); turn a `drain` into a single `next`; shorten one request (half
+  or all but one of its prompt, kept from the end; half or one less of its max_tokens):
+  the probe schedules (melix_fsm.testing.probes) come unshrunk by Hypothesis.
 - Pure core: no mlx, no Hypothesis.
 """
 
@@ -71,7 +73,34 @@ def shrink_schedule(
             if attempt(candidate):
                 best, progress = candidate, True
                 break
+        if progress:
+            continue
+        for candidate in _shorter_requests(best):
+            if attempt(candidate):
+                best, progress = candidate, True
+                break
     return best
+
+
+def _shorter_requests(schedule: Schedule) -> list[Schedule]:
+    out = []
+    for i, op in enumerate(schedule):
+        if op["op"] != "insert":
+            continue
+        for j, request in enumerate(op["requests"]):
+            prompt, n = list(request["prompt"]), int(request["max_tokens"])
+            shorter = [("prompt", prompt[len(prompt) // 2 :]), ("prompt", prompt[1:])]
+            shorter += [("max_tokens", max(1, n // 2)), ("max_tokens", n - 1)]
+            seen = set()
+            for key, value in shorter:
+                size = len(value) if key == "prompt" else value
+                if size < 1 or size == (len(prompt) if key == "prompt" else n) or (key, size) in seen:
+                    continue
+                seen.add((key, size))
+                candidate = copy.deepcopy(schedule)
+                candidate[i]["requests"][j][key] = value
+                out.append(candidate)
+    return out
 
 
 def _shortest_prefix(schedule: Schedule, attempt: Callable[[Schedule], bool]) -> Schedule:

@@ -11,6 +11,10 @@ Rules of this module:
   other property, the operation it failed in (`insert`, `step`, `remove`).
 - A skip pattern matches a signature when it equals it or, as a shell-style glob
   (`fnmatch`), matches its text: `generator_raised:*` skips every crash.
+- Wrong-token locations may carry trigger contexts after the path (", ragged insert",
+  ", joined running batch": melix_fsm.testing.tokens). A known wrong-tokens signature
+  `covers` every one with the same path and at least its contexts: a bug known to need
+  a join is the same bug when the failing request was also ragged.
 - Pure core: no mlx, no Hypothesis.
 """
 
@@ -67,10 +71,52 @@ def _in_kit(filename: str) -> bool:
     return os.path.dirname(os.path.abspath(filename)) == _KIT_DIR
 
 
+def _contexts(location: str) -> tuple[str, frozenset[str]]:
+    path, *contexts = location.split(", ")
+    return path, frozenset(contexts)
+
+
+def covers(known: Signature, signature: Signature) -> bool:
+    """Whether `known` names the same bug as `signature` (equal, or by contexts: module rules)."""
+    if known == signature:
+        return True
+    if (known.prop, known.exception) != (signature.prop, signature.exception):
+        return False
+    if known.prop != "tokens_match_reference":
+        return False
+    path, contexts = _contexts(known.location)
+    other_path, other_contexts = _contexts(signature.location)
+    return path == other_path and contexts <= other_contexts
+
+
+def same_cause(a: Signature, b: Signature) -> bool:
+    """Whether two signatures name one root cause, as far as the evidence goes.
+
+    Crashes: only the same signature. Wrong tokens: one covers the other (the same path,
+    a trigger context more or less), or both name the same non-empty trigger contexts
+    (one trigger, seen on the prefill's token and on a decoded one).
+    """
+    if covers(a, b) or covers(b, a):
+        return True
+    if a.prop != "tokens_match_reference" or b.prop != a.prop:
+        return False
+    contexts_a, contexts_b = _contexts(a.location)[1], _contexts(b.location)[1]
+    return bool(contexts_a) and contexts_a == contexts_b
+
+
 def skipped(signature: Signature, patterns: Iterable[str]) -> bool:
-    """Whether any skip pattern names this signature (exactly or as a glob)."""
+    """Whether any skip pattern names this signature (exactly, as a glob, or covering it)."""
     text = str(signature)
-    return any(p == text or fnmatch.fnmatchcase(text, p) for p in patterns)
+    for p in patterns:
+        if p == text or fnmatch.fnmatchcase(text, p):
+            return True
+        if not any(c in p for c in "*?["):
+            try:
+                if covers(Signature.parse(p), signature):
+                    return True
+            except ValueError:
+                continue
+    return False
 
 
 def check_pattern(pattern: str) -> str:

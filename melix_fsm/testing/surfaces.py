@@ -77,7 +77,10 @@ class BatchSurface:
     Calls made:
     - `insert(prompts: list[list[int]], max_tokens=list[int], <stop_keyword>=list[obj],
       **options) -> list[uid]`: one uid per prompt, distinct, never reused. `obj` is
-      `make_stops(stops)` for each request's stop sequences (token tuples).
+      `make_stops(stops)` for each request's stop sequences (token tuples); the stop
+      keyword is left out when no request of the call has a stop sequence (unless `insert`
+      requires it), and a stop-less request otherwise gets `make_stops([])` (the empty
+      form).
     - `next() -> (prompt_responses, generation_responses)`: only the second item is read
       (a plain list of generation responses is accepted as well); each generation
       response has `.uid`, `.token` (int or 0-d array) and `.finish_reason` (None until
@@ -93,13 +96,14 @@ class BatchSurface:
     def __init__(self, generator: Any, make_stops: Callable[[Sequence[Sequence[int]]], Any] | None = None):
         self.gen = generator
         self.make_stops = make_stops or default_stop_sequences
+        self.stops_required = _required(generator, self.stop_keyword)
 
     def insert(self, specs: Sequence[Any]) -> list[Any]:
-        kwargs = {
-            "max_tokens": [s.max_tokens for s in specs],
-            self.stop_keyword: [self.make_stops(s.stops) for s in specs],
-            **_options(specs),
-        }
+        kwargs: dict[str, Any] = {"max_tokens": [s.max_tokens for s in specs], **_options(specs)}
+        # no stops in the whole call: no stop object at all (the generator's own default), so
+        # the kit never builds an object the target's version may reject
+        if self.stops_required or any(s.stops for s in specs):
+            kwargs[self.stop_keyword] = [self.make_stops(list(s.stops)) for s in specs]
         return list(self.gen.insert([list(s.prompt) for s in specs], **kwargs))
 
     def step(self) -> list[Emission]:
@@ -124,13 +128,24 @@ class StateMachineSurface(BatchSurface):
 
     Same calls as `BatchSurface`, except that `insert` takes `state_machines=[obj]`,
     `obj = make_stops(stops)`: by default mlx-lm 0.31's `SequenceStateMachine` whose only
-    state ("normal") ends the sequence (transition to None) on any stop sequence.
+    state ("normal") ends the sequence (transition to None) on any stop sequence, and
+    `SequenceStateMachine()` (no transitions: 0.31.3 rejects `SequenceStateMachine(None)`)
+    for a stop-less request.
     """
 
     stop_keyword = "state_machines"
 
     def __init__(self, generator: Any, make_stops: Callable[[Sequence[Sequence[int]]], Any] | None = None):
         super().__init__(generator, make_stops or default_state_machine)
+
+
+def _required(generator: Any, keyword: str) -> bool:
+    """Whether `generator.insert` needs `keyword` (it has no default there)."""
+    try:
+        param = inspect.signature(generator.insert).parameters.get(keyword)
+    except (TypeError, ValueError, AttributeError):
+        return False
+    return param is not None and param.default is inspect.Parameter.empty
 
 
 _DRY = object()  # an iterator that has nothing more
@@ -284,4 +299,6 @@ def default_state_machine(stops: Sequence[Sequence[int]]) -> Any:
             "your generator's state machines"
         )
     edges = [(tuple(s), None) for s in stops if s]
-    return machine({"normal": edges} if edges else None, initial="normal")
+    if not edges:
+        return machine()  # the empty form: 0.31.3 rejects transitions=None
+    return machine({"normal": edges}, initial="normal")

@@ -7,6 +7,12 @@ Rules of this file:
   these tests: mlx-lm's BatchGenerator with the "every row finished" crash planted) is
   caught: exit 1, its signature, a short schedule that `--replay` reproduces (exit 1);
   `--skip SIGNATURE` then passes (exit 0). A stream_generate-like factory passes.
+- The five bug classes of a public fork, planted at mlx-lm's BatchGenerator's surface
+  (qa_planted_target.five_bugs), are found in one small run on every seed tried, each
+  once (a crash seen by the exactness and the sampling run is one entry); the
+  distribution statistics are reported although the sampling run crashed; the one that
+  lives on the sampling path alone is invisible at --temperature 0 and found otherwise;
+  a whole report replays at each schedule's own temperature, whatever --temperature.
 - Usage errors exit 2 with a one-line reason.
 - Budgets are tiny (3 examples per round, 300 draws). The shared-uniform bias planted in
   the real cycle engine (stdlib-tiny, 4000 draws, many minutes) is a slow test, with its
@@ -27,6 +33,13 @@ from melix_fsm.cli import main
 
 HERE = Path(__file__).parent
 SMALL = ["--max-examples", "3", "--draws", "300", "--seed", "11"]
+FIVE = {
+    "generator_raised:IndexError@qa_planted_target.py:_prepare_next_step",
+    "generator_raised:KeyError@qa_planted_target.py:_drop_pending",
+    "tokens_match_reference:-@later token, joined running batch",
+    "tokens_match_reference:-@first token, ragged insert",
+    "generator_raised:TypeError@qa_planted_target.py:filter",
+}
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +145,89 @@ def test_factory_without_temperature_says_why_distribution_did_not_run(
     assert report["distribution"] is None and "takes no temperature" in report["distribution_note"]
 
 
+@pytest.mark.parametrize("seed", ["1", "2"])
+def test_one_small_run_finds_the_five_bug_classes(
+    capsys: pytest.CaptureFixture[str], model_dir: str, tmp_path: Path, seed: str
+) -> None:
+    args = ["--model", model_dir, "--json", "--max-examples", "3", "--draws", "300", "--quiet"]
+    code, report, err = qa(capsys, "qa_planted_target:five_bugs", *args, "--seed", seed)
+    assert code == 1, err
+    found = [b["signature"] for b in report["bugs"]]
+    assert len(found) == len(set(found)) == 5 and set(found) == FIVE, found
+    (sampler,) = [b for b in report["bugs"] if b["signature"].endswith(":filter")]
+    assert sampler["also_seen"] == ["sampling run"]  # one bug, though both runs crashed on it
+    dist = report["distribution"]
+    assert dist["generator_restarts"] > 0 and len(dist["positions"]) == 4
+    assert dist["positions"][0]["draws"] > 0  # statistics, not null, although it crashed
+    assert report["distribution_note"].startswith("inconclusive")  # no verdict on draws a crash cut
+    saved = tmp_path / "report.json"
+    saved.write_text(json.dumps(report))
+    code, replayed, _ = qa(
+        capsys,
+        "qa_planted_target:five_bugs",
+        "--model",
+        model_dir,
+        "--json",
+        "--replay",
+        str(saved),
+        "--temperature",
+        "0",
+    )
+    assert code == 1 and len(replayed["replayed"]) == 5
+    assert all(r["signature"] for r in replayed["replayed"]), replayed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", ["1", "2", "3", "4", "5"])
+def test_the_default_quick_profile_finds_the_five_bug_classes_on_every_seed(
+    capsys: pytest.CaptureFixture[str], model_dir: str, seed: str
+) -> None:
+    code, report, err = qa(
+        capsys, "qa_planted_target:five_bugs", "--model", model_dir, "--json", "--quiet", "--seed", seed
+    )
+    assert code == 1, err
+    assert {b["signature"] for b in report["bugs"]} == FIVE and len(report["bugs"]) == 5
+
+
+def test_a_sampling_path_crash_needs_the_sampled_probes(
+    capsys: pytest.CaptureFixture[str], model_dir: str, tmp_path: Path
+) -> None:
+    target = "qa_planted_target:only_sampler_filter"
+    code, report, err = qa(capsys, target, "--model", model_dir, "--json", "--temperature", "0", *SMALL)
+    assert code == 0, (report, err)
+    code, report, _ = qa(capsys, target, "--model", model_dir, "--json", *SMALL)
+    assert code == 1
+    (bug,) = report["bugs"]
+    assert bug["schedule"][0] == {"op": "sampling", "temperature": 1.0}
+    saved = tmp_path / "bug.json"
+    saved.write_text(json.dumps(bug))
+    code, replayed, _ = qa(capsys, target, "--model", model_dir, "--json", "--replay", str(saved))
+    assert code == 1 and replayed["replayed"][0]["signature"] == bug["signature"]
+    code, _, _ = qa(capsys, "mlx-lm", "--model", model_dir, "--replay", str(saved))
+    assert code == 0  # the control passes the same sampled schedule
+
+
+def test_stops_builder_from_the_command_line(capsys: pytest.CaptureFixture[str], model_dir: str) -> None:
+    import qa_planted_target
+
+    code, report, err = qa(
+        capsys,
+        "mlx-lm",
+        "--model",
+        model_dir,
+        "--json",
+        "--temperature",
+        "0",
+        "--stops",
+        "qa_planted_target:counting_stops",
+        *SMALL,
+    )
+    assert code == 0, (report, err)
+    built = qa_planted_target.STOPS_BUILT
+    assert any(stops for stops in built)  # requests with stop sequences went through the builder
+    assert built[:2] == [[(3,)], []]  # the command checks the builder once, with stops and without
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -141,6 +237,7 @@ def test_factory_without_temperature_says_why_distribution_did_not_run(
         (["mlx-lm", "--model", "{m}", "--skip", "bogus:*"], "unknown property"),
         (["mlx-lm", "--model", "{m}", "--temperature", "-1"], "temperature"),
         (["qa_planted_target:not_a_generator", "--model", "{m}"], "no generator surface"),
+        (["mlx-lm", "--model", "{m}", "--stops", "no_such_module_x:f"], "--stops: cannot import"),
         # a 0.31-style generator needs an mlx-lm that still has SequenceStateMachine
         (["qa_planted_target:old_style", "--model", "{m}"], "no SequenceStateMachine"),
     ],

@@ -124,8 +124,8 @@ def test_shrinker_drops_what_the_failure_does_not_need() -> None:
         return _needs(candidate)
 
     small = shrink_schedule(schedule, fails)
-    assert small == [
-        {"op": "insert", "requests": [r([7])]},
+    assert small == [  # the last pass also shortened the one request's budget
+        {"op": "insert", "requests": [{**r([7]), "max_tokens": 1}]},
         {"op": "remove", "requests": [0]},
         {"op": "next"},
     ]
@@ -141,3 +141,35 @@ class ListNextToy(ToyGenerator):
 
 def test_a_plain_list_from_next_is_read_as_generation_responses() -> None:
     run_conformance(ListNextToy, toy_reference, make_stops=toy_stops, settings=QUICK, **TOY)
+
+
+def test_no_stop_object_for_an_insert_without_stops() -> None:
+    """A stop-less call passes no stop keyword (0.31.3 rejects SequenceStateMachine(None));
+    in a call with stops, a stop-less request gets the builder's empty form."""
+    from melix_fsm.testing.driver import RequestSpec
+    from melix_fsm.testing.surfaces import BatchSurface, StateMachineSurface
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls: list[dict[str, Any]] = []
+
+        def insert(self, prompts: list[list[int]], max_tokens: Any = None, **kwargs: Any) -> list[int]:
+            self.calls.append(kwargs)
+            return list(range(len(self.calls) * 10, len(self.calls) * 10 + len(prompts)))
+
+        def next(self) -> Any:
+            return [], []
+
+    built: list[list[Any]] = []
+
+    def builder(stops: Any) -> str:
+        built.append(list(stops))
+        return f"stops{len(built)}"
+
+    for surface_class, keyword in ((BatchSurface, "stop_sequences"), (StateMachineSurface, "state_machines")):
+        gen, built[:] = Recorder(), []
+        surface = surface_class(gen, builder)
+        surface.insert([RequestSpec((3,), 2), RequestSpec((4, 5), 1)])
+        surface.insert([RequestSpec((3,), 2, ((7,),)), RequestSpec((4,), 1)])
+        assert gen.calls[0] == {} and gen.calls[1] == {keyword: ["stops1", "stops2"]}
+        assert built == [[(7,)], []]

@@ -14,9 +14,15 @@ Rules of this module:
   report) instead of searching, and reports each.
 - Profiles: quick (30 examples per round, 2000 draws), deep (400 examples per round,
   8000 draws); `--max-examples` overrides the examples per round.
+- `--stops package.module:builder` builds the target's stop object from a list of token
+  tuples (the API's `make_stops`); without it the kit uses mlx-lm's for the detected
+  surface, and a call whose requests have no stops passes no stop object at all.
 - Exit status: 0 every property holds, 1 a bug was found (or a replayed schedule still
-  fails), 2 usage error (bad TARGET, model, flag or replay file). mlx is imported inside
-  `run` only.
+  fails), 2 usage error or set-up failure (bad TARGET, model, flag or replay file; an
+  import the installed mlx-lm cannot serve; a factory that raises): one line on stderr,
+  never a traceback, never 1. mlx is imported inside `run` only; nothing here needs a
+  particular mlx-lm version (the `melix` target alone needs 0.32).
+- Progress goes to stderr (melix_mlx.qa.progress); `--quiet` silences it.
 """
 
 from __future__ import annotations
@@ -57,7 +63,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--surface", choices=SURFACES, default="auto")
     parser.add_argument("--reference", default=None, metavar="package.module:function")
     parser.add_argument("--replay", default=None, metavar="FILE")
+    parser.add_argument("--stops", default=None, metavar="package.module:builder",
+                        help="builds the target's stop object from a list of token tuples")
     parser.add_argument("--json", action="store_true", help="one JSON report on stdout")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.set_defaults(run=run)
 
 
@@ -67,6 +76,30 @@ def _usage(message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    """The command; every set-up failure is one line and exit 2 (see the module rules)."""
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # noqa: BLE001  (an import or set-up failure: one line, exit 2, never 1)
+        where = _origin(exc)
+        return _usage(f"{type(exc).__name__}: {_one_line(exc)}{where}")
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else "(no message)"
+
+
+def _origin(exc: BaseException) -> str:
+    import os
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f" ({os.path.basename(frames[-1].filename)}:{frames[-1].name})" if frames else ""
+
+
+def _run(args: argparse.Namespace) -> int:
     from melix_fsm.testing.signature import check_pattern
 
     profile = PROFILES[args.profile]
@@ -87,45 +120,48 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             return _usage(f"--replay {args.replay}: {exc}")
 
-    from melix_mlx.qa.targets import TargetError, load_model, resolve_target, vocab_size
+    from melix_fsm.testing.surfaces import SurfaceError, as_surface
+    from melix_mlx.qa.targets import TargetError, checkpoint_dir, load_model, resolve_target, vocab_size
 
     try:
+        make_stops = resolve_target(args.stops).factory if args.stops else None
+    except TargetError as exc:
+        return _usage(f"--stops: {exc}".replace("TARGET", "--stops"))
+    try:
         target = resolve_target(args.target)
+        checkpoint = str(checkpoint_dir(args.model))
         model, head = load_model(args.model, needs_head=target.needs_head)
         reference = _reference(args.reference, model)
     except TargetError as exc:
         return _usage(str(exc))
-    from melix_fsm.testing.surfaces import SurfaceError, as_surface
 
     def make(temperature: float) -> Any:
-        return target.build(model, head, temperature)
+        return target.build(model, head, temperature, checkpoint=checkpoint)
 
     try:
-        probe = as_surface(make(0.0), args.surface)
-        make_stops = getattr(probe, "make_stops", None)
-        if make_stops is not None:  # a stop builder the installed mlx-lm cannot serve fails here
-            make_stops([(3,)])
-    except (SurfaceError, TargetError) as exc:
-        return _usage(str(exc))
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
-    top = min(vocab_size(model) or 256, 256) - 1
-    probs_of = None
+        probe = as_surface(make(0.0), args.surface, make_stops)
+        builder = getattr(probe, "make_stops", None)
+        if builder is not None:  # a stop builder the installed mlx-lm cannot serve fails here, once
+            builder([(3,)])
+            builder([])
+    except (SurfaceError, TargetError, ImportError) as exc:
+        return _usage(_one_line(exc))
     sampling_note = ""
-    if args.temperature > 0:
-        if target.accepts("temperature"):
-            from melix_mlx.qa.probabilities import target_probabilities
-
-            probs_of = target_probabilities(model, args.temperature)
-        else:
-            sampling_note = f"{target.name}'s factory takes no temperature keyword"
+    if not target.accepts("temperature"):
+        sampling_note = f"{target.name}'s factory takes no temperature keyword"
+    probs_for = _probabilities(model)
     if replay_doc is not None:
-        return _replay(args, replay_doc, make, reference, probs_of)
+        return _replay(args, replay_doc, make, reference, probs_for, make_stops, sampling_note)
 
     from hypothesis import settings as Settings
 
     from melix_fsm.testing.machine import PROFILES as KIT_PROFILES
     from melix_fsm.testing.qa import run_session
 
+    from ..qa.progress import Progress
+
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    top = min(vocab_size(model) or 256, 256) - 1
     rng = random.Random(seed)
     start = [rng.randint(3, top) for _ in range(2)]
     # the model's own greedy continuation: a context it is confident in, as in real decoding
@@ -142,27 +178,49 @@ def run(args: argparse.Namespace) -> int:
         "length": 4,  # the first token, then a whole cycle of up to two drafts and its bonus
         "prompt": prompt,
         "alpha": 1e-3,
+        "examples_per_round": args.max_examples or profile["examples"],
+        "max_rounds": profile["rounds"],
     }
-    examples = args.max_examples or profile["examples"]
     hunt_options = {
-        "settings": Settings(KIT_PROFILES["quick"], max_examples=examples),
+        "settings": Settings(KIT_PROFILES["quick"], max_examples=settings["examples_per_round"]),
         "max_rounds": profile["rounds"],
         "tokens": (3, top),
         "prompt_lengths": (1, 8),
         "max_tokens": (1, 8),
         "insert_options": dict(target.insert_options),
+        "probe_options": dict(target.probe_options),
+        "make_stops": make_stops,
     }
-    report = run_session(
-        make,
-        reference,
-        settings=settings,
-        hunt_options=hunt_options,
-        probs_of=probs_of,
-        sampling_note=sampling_note,
-        surface=args.surface,
-    )
+    progress = Progress(enabled=not args.quiet)
+    try:
+        report = run_session(
+            make,
+            reference,
+            settings=settings,
+            hunt_options=hunt_options,
+            probs_of=probs_for(args.temperature) if args.temperature > 0 and not sampling_note else None,
+            sampling_note=sampling_note,
+            surface=args.surface,
+            progress=progress,
+        )
+    finally:
+        progress.close()
     print(json.dumps(report.as_dict(), default=str) if args.json else report.text())
     return report.exit_code
+
+
+def _probabilities(model: Any) -> Any:
+    """The target's probabilities at a temperature, built once per temperature."""
+    built: dict[float, Any] = {}
+
+    def probs_for(temperature: float) -> Any:
+        if temperature not in built:
+            from melix_mlx.qa.probabilities import target_probabilities
+
+            built[temperature] = target_probabilities(model, temperature)
+        return built[temperature]
+
+    return probs_for
 
 
 def _reference(spec: str | None, model: Any) -> Any:
@@ -178,7 +236,16 @@ def _reference(spec: str | None, model: Any) -> Any:
         raise TargetError(f"--reference: {exc}") from None
 
 
-def _replay(args: argparse.Namespace, document: Any, make: Any, reference: Any, probs_of: Any) -> int:
+def _replay(
+    args: argparse.Namespace,
+    document: Any,
+    make: Any,
+    reference: Any,
+    probs_for: Any,
+    make_stops: Any,
+    sampling_note: str,
+) -> int:
+    """Re-run each schedule at its own temperature (a sample operation carries it)."""
     from melix_fsm.testing.qa import replay_schedule, schedules_in
     from melix_fsm.testing.signature import signature_of
 
@@ -188,10 +255,14 @@ def _replay(args: argparse.Namespace, document: Any, make: Any, reference: Any, 
         return _usage(f"--replay {args.replay}: {exc}")
     results = []
     for schedule in schedules:
+        if sampling_note and any(op.get("op") in ("sample", "sampling") for op in schedule):
+            return _usage(f"--replay {args.replay}: a sampled schedule, but {sampling_note}")
         try:
-            err = replay_schedule(schedule, make, reference, probs_of=probs_of, surface=args.surface)
-        except (ValueError, KeyError) as exc:
-            return _usage(f"--replay {args.replay}: {exc}")
+            err = replay_schedule(
+                schedule, make, reference, probs_for=probs_for, surface=args.surface, make_stops=make_stops
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            return _usage(f"--replay {args.replay}: {type(exc).__name__}: {_one_line(exc)}")
         results.append(
             {
                 "schedule": schedule,

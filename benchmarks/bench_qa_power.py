@@ -1,0 +1,123 @@
+"""The power of `melix-fsm qa`'s distribution property: detection and false-alarm rates.
+
+Rules of this script:
+- A script, not a test: `python benchmarks/bench_qa_power.py [--model stdlib-tiny]
+  [--seeds 0 1 2 3 4] [--conditions ...] [--out FILE]`. The continuations are drawn from
+  the law a generator with a planted sampler draws from: at each position, the target's
+  own probabilities after the draw's prefix go through the planted transform: the temperature scaled by a
+  factor (`temp1.05` draws at 1.05 T), the tail truncated below a probability
+  (`tail0.01` drops every token the target gives less than 0.01 at T, then
+  renormalises), or nothing (`correct`, for the false-alarm rate). The test's power
+  depends on that law only; a generator draws the same law many times slower on CPU.
+- The draws are decoded in lockstep (the prompt's KV cache copied to 1000 rows at a
+  time) by the same model object the target probabilities come from; the correct
+  condition's false-alarm rate checks that this decoding draws the target's law.
+- Each seed picks the prompt exactly as the command does (two seeded tokens, then the
+  model's greedy continuation of 6) and seeds mlx's generator; the check is the kit's
+  `check_distribution` at alpha 1e-3, T = 1, 4 positions. Quick uses the first 2000 of
+  the deep run's 8000 draws (the same draws a 2000-draw run would get in law).
+- Prints one line per (condition, profile) with detections / seeds, and writes every
+  run's p-values as JSON (`--out`), so docs quote measured numbers only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from melix_mlx.checkpoints import resolve_model
+from melix_mlx.qa.probabilities import target_probabilities
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
+
+from melix_fsm.testing import ConformanceError, check_distribution, mlx_greedy_reference
+
+T = 1.0
+PROFILES = {"quick": 2000, "deep": 8000}
+CONDITIONS = ("correct", "temp1.05", "temp1.10", "temp1.15", "tail0.01", "tail0.02")
+
+
+def planted_logits(condition: str, logprobs: mx.array) -> mx.array:
+    """The planted sampler's logits from the target's log-probabilities at T."""
+    if condition == "correct":
+        return logprobs
+    if condition.startswith("temp"):
+        return logprobs * (1.0 / float(condition[4:]))
+    return mx.where(mx.exp(logprobs) < float(condition[4:]), -float("inf"), logprobs)
+
+
+def draw(model: Any, prompt: list[int], condition: str, n: int, key: mx.array) -> list[tuple[int, ...]]:
+    """n continuations of 4 tokens, decoded in lockstep with a KV cache, 1000 rows at a time."""
+    prefill = make_prompt_cache(model)
+    first = model(mx.array([prompt]), cache=prefill)[:, -1, :]
+    out: list[tuple[int, ...]] = []
+    for start in range(0, n, 1000):
+        rows = min(1000, n - start)
+        cache = make_prompt_cache(model)
+        for mine, theirs in zip(cache, prefill):  # the prompt's cache, once per row
+            mine.state = [mx.repeat(a, rows, axis=0) if isinstance(a, mx.array) else a for a in theirs.state]
+        logits = mx.repeat(first, rows, axis=0)
+        tokens = []
+        for j in range(4):
+            if j:
+                logits = model(tokens[-1][:, None], cache=cache)[:, -1, :]
+            scaled = logits.astype(mx.float32) / T
+            logprobs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+            key, sub = mx.random.split(key)
+            tokens.append(mx.random.categorical(planted_logits(condition, logprobs), key=sub))
+        out += [tuple(int(t) for t in row) for row in mx.stack(tokens, axis=1).tolist()]
+    return out
+
+
+def one_run(model: Any, reference: Any, probs: Any, condition: str, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    start = [rng.randint(3, 255) for _ in range(2)]
+    prompt = start + list(reference(tuple(start), 6))
+    draws = draw(model, prompt, condition, PROFILES["deep"], mx.random.key(seed))
+    out: dict[str, Any] = {"condition": condition, "seed": seed, "prompt": prompt}
+    for profile, n in PROFILES.items():
+        try:
+            result = check_distribution(draws[:n], probs, prompt, alpha=1e-3)
+            detected, where = False, ""
+        except ConformanceError as err:
+            detected, where, result = True, err.where, None
+        out[profile] = {"detected": detected, "where": where}
+        if result is not None:
+            out[profile]["min_p"] = min(min(p.p_value, p.z_p_value) for p in result.positions)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="stdlib-tiny")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--conditions", nargs="+", default=list(CONDITIONS), choices=CONDITIONS)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    model, _ = load(str(resolve_model(args.model)))
+    reference = mlx_greedy_reference(model, min_tokens=8)
+    probs = target_probabilities(model, T)
+    runs = []
+    for condition in args.conditions:
+        tic = time.perf_counter()
+        for seed in args.seeds:
+            runs.append(one_run(model, reference, probs, condition, seed))
+        mine = [r for r in runs if r["condition"] == condition]
+        for profile in PROFILES:
+            hits = sum(r[profile]["detected"] for r in mine)
+            print(
+                f"{condition:9s} {profile:5s} ({PROFILES[profile]} draws): detected {hits}/{len(mine)} "
+                f"(seeds {args.seeds}; {time.perf_counter() - tic:.0f} s for the condition)",
+                flush=True,
+            )
+    if args.out is not None:
+        args.out.write_text(json.dumps({"model": args.model, "temperature": T, "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
