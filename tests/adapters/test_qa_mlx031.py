@@ -67,6 +67,12 @@ def mlx_lm_031(monkeypatch: pytest.MonkeyPatch) -> None:
     sys.modules["mlx_lm.generate"].SequenceStateMachine = toy.SequenceStateMachine  # on the copy only
     for name in [m for m in sys.modules if m.startswith("melix_mlx.")]:
         if not name.startswith("melix_mlx.commands"):  # the CLI's registration stays
+            # re-importing sets the fresh module on its package too: restore that attribute
+            # at teardown as well, or later tests would mix fresh and original modules
+            parent, _, child = name.rpartition(".")
+            package = sys.modules.get(parent)
+            if package is not None and hasattr(package, child):
+                monkeypatch.setattr(package, child, getattr(package, child))
             monkeypatch.delitem(sys.modules, name)
 
 
