@@ -61,17 +61,26 @@ class Step(NamedTuple):
     reason: str = ""
 
 
+def check_vocabulary(spec: MachineSpec, states: type[enum.StrEnum], events: type[enum.StrEnum]) -> None:
+    """The owner's enums list exactly the spec's states and events, in the spec's order.
+
+    Owners write their members out so a type checker sees them; the spec stays the truth,
+    so any difference (a state added in the spec, a member renamed in code) fails the import.
+    """
+    for kind, members, declared in (("state", states, spec.states), ("event", events, spec.events)):
+        ours, theirs = [m.value for m in members], list(declared)
+        if ours != theirs:
+            raise RuntimeError(
+                f"{spec.name} {kind}s differ from the spec (same names, same order): "
+                f"code {ours}, spec {theirs}"
+            )
+
+
 class CompiledMachine(Generic[S, E]):
     """A machine spec compiled against its owner's vocabulary (enums and guard names)."""
 
     def __init__(self, spec: MachineSpec, states: type[S], events: type[E], guards: frozenset[str]) -> None:
-        for kind, members, declared in (("state", states, spec.states), ("event", events, spec.events)):
-            ours, theirs = [m.value for m in members], list(declared)
-            if ours != theirs:
-                raise RuntimeError(
-                    f"{spec.name} {kind}s differ from the spec (same names, same order): "
-                    f"code {ours}, spec {theirs}"
-                )
+        check_vocabulary(spec, states, events)
         named = set(spec.guards)
         if named != set(guards):
             raise RuntimeError(
@@ -153,12 +162,22 @@ class Tracker(Generic[S, E]):
         return self.state in self.machine.finals
 
 
-def build_oracle(spec: MachineSpec, class_name: str | None = None) -> type:
+def build_oracle(
+    spec: MachineSpec,
+    class_name: str | None = None,
+    *,
+    conditions: Mapping[str, Any] | None = None,
+    validators: Mapping[str, Any] | None = None,
+    final_reachable: bool = False,
+) -> type:
     """Compile `spec` into a python-statemachine `StateMachine` subclass (the test oracle).
 
-    Send events as `oracle.send(event, **guards)`: a guarded transition reads its guard's
-    boolean from the keyword of the same name. A missing transition raises
-    python-statemachine's `TransitionNotAllowed`.
+    Send events as `oracle.send(event, **guards)`: by default a guarded transition reads
+    its guard's boolean from the keyword of the same name; `conditions` gives a guard
+    another meaning (a callable of the send keywords), `validators` an event's payload
+    check. A missing transition raises python-statemachine's `TransitionNotAllowed`.
+    `final_reachable`: also require every state to reach a final one (the lifecycle's
+    rule; machines that loop for their owner's life, like the controller, do not).
     """
     # Lazy: python-statemachine costs ~100 ms to import and is for tests and diagrams only.
     from statemachine import State as SMState
@@ -169,21 +188,21 @@ def build_oracle(spec: MachineSpec, class_name: str | None = None) -> type:
         s.name: SMState(name=s.name, value=s.name, initial=s.name == spec.initial, final=s.final)
         for s in spec.states.values()
     }
-    conditions = {g: _condition(g) for g in spec.guards}
+    conditions = {g: (conditions or {}).get(g) or _condition(g) for g in spec.guards}
     events: dict[str, Any] = {}
     for t in spec.transitions:
         kwargs: dict[str, Any] = {"event": t.event}
         if t.guard is not None:
             kwargs["unless" if t.negated else "cond"] = conditions[t.guard]
+        if validators and validators.get(t.event) is not None:
+            kwargs["validators"] = validators[t.event]
         transitions = states[t.source].to(states[t.target], **kwargs)
         events[t.event] = events[t.event] | transitions if t.event in events else transitions
     name = class_name or "".join(p.title() for p in spec.name.split("_")) + "Oracle"
     attrs: dict[str, Any] = {
         "__module__": __name__,
         "__doc__": f"python-statemachine oracle compiled from {spec.path}.",
-        # Some machines loop for their owner's life (the controller's auto modes): a path
-        # to a final state is not a rule of every machine, only of the lifecycle's.
-        "validate_final_reachability": False,
+        "validate_final_reachability": final_reachable,
         **states,
         **events,
     }

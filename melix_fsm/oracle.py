@@ -22,13 +22,12 @@ import enum
 from collections.abc import Callable
 from typing import Any
 
-from statemachine import State as SMState
 from statemachine import StateMachine
 from statemachine.exceptions import TransitionNotAllowed
-from statemachine.factory import StateMachineMetaclass
 
 from .errors import InvalidEvent
 from .lifecycle import CHECKS, GUARDS, SPEC, Event, Signal, State
+from .machine import build_oracle
 from .spec import LifecycleSpec
 
 __all__ = [
@@ -79,30 +78,12 @@ def _validator(event: str) -> Callable[..., None] | None:
 
 
 def build_oracle_class(spec: LifecycleSpec = SPEC, name: str = "LifecycleOracle") -> type[StateMachine]:
-    """Compile a lifecycle spec into a python-statemachine `StateMachine` subclass."""
-    states = {
-        s.name: SMState(name=s.name, value=s.name, initial=s.name == spec.initial, final=s.final)
-        for s in spec.states.values()
-    }
+    """Compile a lifecycle spec into a python-statemachine `StateMachine` subclass: the
+    generic compiler (melix_fsm.machine.build_oracle) with the lifecycle's guard meanings,
+    payload validators and its rule that every state reaches `finished`."""
     conditions = {g: _condition(g) for g in spec.guards}
-    events: dict[str, Any] = {}
-    for t in spec.transitions:
-        kwargs: dict[str, Any] = {"event": t.event}
-        if t.guard is not None:
-            kwargs["unless" if t.negated else "cond"] = conditions[t.guard]
-        validator = _validator(t.event)
-        if validator is not None:
-            kwargs["validators"] = validator
-        transitions = states[t.source].to(states[t.target], **kwargs)
-        events[t.event] = events[t.event] | transitions if t.event in events else transitions
-    attrs: dict[str, Any] = {
-        "__module__": __name__,
-        "__doc__": f"python-statemachine oracle compiled from {spec.path}.",
-        **states,
-        **events,
-    }
-    # The metaclass (not type()) validates the graph the way a hand-written class would be.
-    return StateMachineMetaclass(name, (StateMachine,), attrs)  # type: ignore[return-value]
+    validators = {e: _validator(e) for e in spec.events}
+    return build_oracle(spec, name, conditions=conditions, validators=validators, final_reachable=True)
 
 
 LifecycleOracle: type[StateMachine] = build_oracle_class()
