@@ -51,6 +51,7 @@ class Submission:
         self.ctx: SpeculativeContext | None = None
         self.deadline = time.monotonic() + timeout_s
         self.end_reason = ""
+        self.end_event: RequestEvent | None = None  # the event that ended the request
 
     @property
     def state(self) -> RequestState:
@@ -60,7 +61,7 @@ class Submission:
         if not self.tracker.is_final and self.tracker.allows(event):
             self.tracker.send(event, reason)
             if self.tracker.is_final:
-                self.end_reason = reason
+                self.end_reason, self.end_event = reason, event
 
     def abort(self, event: RequestEvent, reason: str) -> bool:
         """End the request from the server's side; False when it had already ended."""
@@ -80,8 +81,9 @@ class Submission:
             item = await self.queue.items.get()  # the marker abort just put (or an earlier item)
         if isinstance(item, Aborted):
             raise item
-        if self.tracker.is_final:  # aborted: a late item of the generation thread
-            raise Aborted(RequestEvent.cancel, self.end_reason or "ended")
+        if self.tracker.is_final:  # aborted: a late item of the generation thread, queued
+            # before the abort's marker: end as the abort said (a drain timeout stays one)
+            raise Aborted(self.end_event or RequestEvent.cancel, self.end_reason or "ended")
         if isinstance(item, BaseException):
             self._send(RequestEvent.fault, f"{type(item).__name__}: {item}")
             raise item
