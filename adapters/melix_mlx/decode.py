@@ -1,4 +1,6 @@
 """Single-sequence MTP speculative decoding: the cycle engine at B = 1, pipelined.
+(Over 400 lines: the one-sequence loop with its run-ahead, quantized-KV boundary and cache
+form read together; the rules of a step it shares with the batch live in step_rules.py.)
 
 Rules of this module:
 - Output identity: greedy output equals mlx-lm's `generate_step` token for token, and
