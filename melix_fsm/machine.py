@@ -107,21 +107,23 @@ class CompiledMachine(Generic[S, E]):
 
     def target(self, state: S, event: E, guards: Mapping[str, bool] | None = None) -> S:
         """The state `event` leads to from `state`; raises IllegalTransition / MissingGuard."""
+        return self.step(state, event, guards)[0]
+
+    def step(self, state: S, event: E, guards: Mapping[str, bool] | None = None) -> tuple[S, str | None]:
+        """(target, the guard label taken: "g", "!g" or None) in one table lookup."""
         cell = self.table.get((state, event))
         if cell is None:
             raise IllegalTransition(self.name, state, event) from None
         if isinstance(cell, GuardedCell):
             if guards is None or cell.guard not in guards:
                 raise MissingGuard(self.name, state, event, cell.guard)
-            return cell.if_true if guards[cell.guard] else cell.if_false
-        return cell
+            if guards[cell.guard]:
+                return cell.if_true, cell.guard
+            return cell.if_false, "!" + cell.guard
+        return cell, None
 
     def allows(self, state: S, event: E) -> bool:
         return (state, event) in self.table
-
-    def legal_events(self, state: S) -> list[E]:
-        """The events with a transition from `state`, in spec order."""
-        return [e for e in self.events if (state, e) in self.table]
 
     def tracker(self, state: S | None = None) -> Tracker[S, E]:
         return Tracker(self, self.initial if state is None else state)
@@ -139,13 +141,8 @@ class Tracker(Generic[S, E]):
 
     def send(self, event: E, reason: str = "", **guards: bool) -> S:
         """Process one event: the only way this tracker's state changes."""
-        machine = self.machine
         source = self.state
-        target = machine.target(source, event, guards)
-        cell = machine.table[(source, event)]
-        label = None
-        if isinstance(cell, GuardedCell):
-            label = cell.guard if guards[cell.guard] else "!" + cell.guard
+        target, label = self.machine.step(source, event, guards)
         self.state = target
         self.sent += 1
         history = self.history
