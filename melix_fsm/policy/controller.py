@@ -73,6 +73,25 @@ from .modes import CONTROLLER, ON_SIDE, PROBES, SPECULATING, Mode, ModeEvent
 from .throughput import PositionAcceptance, Rate
 
 
+def _table_of(timings: TimingTable | Timings | CalibrationError | None) -> TimingTable | None:
+    """The controller's timing table (a single calibration becomes a table of one)."""
+    if timings is not None and not isinstance(timings, (TimingTable, Timings, CalibrationError)):
+        raise PolicyError(f"live controller: unexpected timings {type(timings).__name__}")
+    if isinstance(timings, Timings):
+        return TimingTable.of(timings)
+    return timings if isinstance(timings, TimingTable) else None
+
+
+def _max_depth(depth: int | Literal["auto"], max_depth: int | None) -> int:
+    """The deepest k the controller may draft: a fixed depth, or auto's ceiling."""
+    if depth != "auto" and (type(depth) is not int or depth < 1):
+        raise PolicyError(f"live controller: depth must be an int >= 1 or 'auto', got {depth!r}")
+    max_k = (max_depth or AUTO_MAX_DEPTH) if depth == "auto" else int(depth)
+    if max_k < 1:
+        raise PolicyError(f"live controller: max_depth must be >= 1, got {max_k}")
+    return max_k
+
+
 class LiveController(LiveEstimates):
     """Keeps speculation on only while it measures faster than plain decode; picks k.
 
@@ -105,18 +124,10 @@ class LiveController(LiveEstimates):
         self.replay_on_reject = replay_on_reject
         self.agree = agree
         self.failure = timings if isinstance(timings, CalibrationError) else None
-        if isinstance(timings, Timings):
-            timings = TimingTable.of(timings)
-        self.table: TimingTable | None = timings if isinstance(timings, TimingTable) else None
+        self.table: TimingTable | None = _table_of(timings)
         self._priced: dict[tuple[int, int], Timings] = {}  # table.at(B, k), cached: a per-step cost
-        if timings is not None and not isinstance(timings, (TimingTable, CalibrationError)):
-            raise PolicyError(f"live controller: unexpected timings {type(timings).__name__}")
         auto_depth = depth == "auto"
-        if not auto_depth and (type(depth) is not int or depth < 1):
-            raise PolicyError(f"live controller: depth must be an int >= 1 or 'auto', got {depth!r}")
-        max_k = (max_depth or AUTO_MAX_DEPTH) if auto_depth else int(depth)
-        if max_k < 1:
-            raise PolicyError(f"live controller: max_depth must be >= 1, got {max_k}")
+        max_k = _max_depth(depth, max_depth)
         self.acceptance = PositionAcceptance(max_k, cfg.acceptance_decay, prior.acceptance)
         self.ema = acceptance_rate_of(prior.acceptance, max_k)
         self.plain = Rate(cfg.decay)
@@ -151,6 +162,12 @@ class LiveController(LiveEstimates):
         if active is None:
             estimate = self._predicted(batch_size, first_k)
             active = estimate is not None and estimate >= 1.0 + cfg.margin
+        self._init_schedule(batch_size)
+        self._enter_first_mode(bool(active), batch_size)
+
+    def _init_schedule(self, batch_size: int) -> None:
+        """The machine in `configured`, and when the first probes and verdicts are due."""
+        cfg = self.config
         self.mode = CONTROLLER.tracker()  # the spec's machine: every switch is one of its events
         self._probe_timed = self._probe_total = 0
         self._timed = False  # has any timed sample arrived? (else: the cost model alone)
@@ -169,6 +186,9 @@ class LiveController(LiveEstimates):
         hopeless = self.table is not None and self._perfect_speedup(batch_size) < cfg.resume_above
         self._next_spec_probe = cfg.doubtful_probe_after if hopeless else cfg.first_spec_probe_after
         self._shared: Decision | None = None
+
+    def _enter_first_mode(self, active: bool, batch_size: int) -> None:
+        """The first event of the controller's machine: its policy, or the prior's verdict."""
         if self.disabled_reason is not None:
             self._send(ModeEvent.disable, self.disabled_reason)
             self._record(Action.suspend, self.disabled_reason, batch_size)
@@ -178,7 +198,7 @@ class LiveController(LiveEstimates):
             self._send(ModeEvent.pin_off, "force_off")
         else:
             reason = LiveReason.prior_admitted if active else LiveReason.prior_disabled
-            self._send(ModeEvent.resolve, reason, prior_admits=bool(active))
+            self._send(ModeEvent.resolve, reason, prior_admits=active)
             if not active:
                 self._record(Action.suspend, LiveReason.prior_disabled, batch_size)
 

@@ -7,11 +7,11 @@ returns is the admitted message.
 
 from __future__ import annotations
 
-from ..checkpoint import head_only, int_setting, scan_heads
+from ..checkpoint import Checkpoint, HeadScan, head_only, int_setting, scan_heads
 from ..config import AUTO_DEPTH, SpeculativeConfig
 from ..policy.depth import AUTO_MAX_DEPTH
 from ..reasons import RefusalReason
-from ..registry import Registry, Support
+from ..registry import Family, Registry, Support
 from ..sidecar import SidecarReport
 from .checks import (
     CheckRefusal,
@@ -59,6 +59,30 @@ def assess_mtp(
             "use method = draft_model or none",
         )
     r["batch_shape"] = BatchShape.batched if family.batch_reshape else BatchShape.singleton
+    key, heads, layers = _advertised_heads(ckpt, family)
+    r["head_count"] = heads
+    scan = scan_heads(ckpt, family, heads, layers)
+    _admit_head_weights(ckpt, scan, sidecar, f"{heads} MTP head layer(s) ({key})", r)
+    if ckpt.quantized and not family.quantized_matmul:
+        raise CheckRefusal(
+            RefusalReason.unsupported_quantization, f"{family.name} heads cannot run on quantized weights"
+        )
+    check_serving(reg, family, kinds, context, "model")
+    check_kv_group(ckpt, context, "model")
+    plan_caches(reg, kinds, context, r)
+    r["max_depth"] = AUTO_MAX_DEPTH  # every runnable head chains (spec/families.toml `chain`)
+    where = f"the validated sidecar {sidecar.path}" if sidecar is not None else ", ".join(scan.files)
+    layers = f"{heads} layer(s)"
+    if heads > 1:
+        layers += f" (draft step i runs layer min(i, {heads - 1}))"
+    return (
+        f"mtp admitted: {family.name} head, {layers}, {r['weight_count']} tensors in "
+        f"{where}; depth {_depth_text(config, r)}"
+    )
+
+
+def _advertised_heads(ckpt: Checkpoint, family: Family) -> tuple[str | None, int, int]:
+    """(config key, head layers, main layers) the config advertises; refused when absent."""
     key, heads, problem = int_setting(ckpt.config, family.head_count_keys, 0, MAX_HEADS)
     if problem:
         raise CheckRefusal(RefusalReason.invalid_config, f"config.json: {problem}")
@@ -67,11 +91,10 @@ def assess_mtp(
         raise CheckRefusal(
             RefusalReason.unsupported_model, f"config.json advertises no MTP head ({shown} is absent or 0)"
         )
-    r["head_count"] = heads
     layers = 0
     assert family.weights is not None
     if family.weights.uses_layer_count:
-        lkey, value, problem = int_setting(ckpt.config, family.layer_count_keys, 1, MAX_LAYERS)
+        _, value, problem = int_setting(ckpt.config, family.layer_count_keys, 1, MAX_LAYERS)
         if problem or value is None:
             raise CheckRefusal(
                 RefusalReason.invalid_config,
@@ -79,7 +102,13 @@ def assess_mtp(
                 "(needed to locate the head layers)",
             )
         layers = value
-    scan = scan_heads(ckpt, family, heads, layers)
+    return key, heads, layers
+
+
+def _admit_head_weights(
+    ckpt: Checkpoint, scan: HeadScan, sidecar: SidecarReport | None, advertised: str, r: dict
+) -> None:
+    """The head's tensors are there (in the checkpoint, or a validated sidecar pack)."""
     r.update(head_format=scan.head_format, weights_present=scan.present, weight_count=scan.weight_count)
     r.update(layer_weight_counts=scan.layer_counts, missing_weights=scan.missing, head_files=scan.files)
     if head_only(ckpt, scan):
@@ -98,25 +127,9 @@ def assess_mtp(
         shown = ", ".join(scan.missing[:4]) + (" ..." if len(scan.missing) > 4 else "")
         raise CheckRefusal(
             RefusalReason.missing_head_weights,
-            f"config advertises {heads} MTP head layer(s) ({key}) but the weights lack {shown}; "
+            f"config advertises {advertised} but the weights lack {shown}; "
             "mlx-lm conversions drop head tensors: convert from the original checkpoint",
         )
-    if ckpt.quantized and not family.quantized_matmul:
-        raise CheckRefusal(
-            RefusalReason.unsupported_quantization, f"{family.name} heads cannot run on quantized weights"
-        )
-    check_serving(reg, family, kinds, context, "model")
-    check_kv_group(ckpt, context, "model")
-    plan_caches(reg, kinds, context, r)
-    r["max_depth"] = AUTO_MAX_DEPTH  # every runnable head chains (spec/families.toml `chain`)
-    where = f"the validated sidecar {sidecar.path}" if sidecar is not None else ", ".join(scan.files)
-    layers = f"{heads} layer(s)"
-    if heads > 1:
-        layers += f" (draft step i runs layer min(i, {heads - 1}))"
-    return (
-        f"mtp admitted: {family.name} head, {layers}, {r['weight_count']} tensors in "
-        f"{where}; depth {_depth_text(config, r)}"
-    )
 
 
 def assess_draft(

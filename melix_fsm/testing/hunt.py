@@ -114,7 +114,11 @@ def hunt_bugs(
     progress: Progress | None = None,
     **machine_options: Any,
 ) -> HuntResult:
-    """Hunt every distinct bug of `generator_factory()` against `reference` (module rules)."""
+    """Hunt every distinct bug of `generator_factory()` against `reference` (module rules).
+
+    Over 80 lines: its two phases (probe schedules, then Hypothesis rounds) share one
+    hunt's state (the bugs found, the growing skip list) through the closures below.
+    """
     tell = progress or (lambda kind, value: None)
     chosen = Settings(profile_settings(settings), database=None)
     reference = memoized(reference)

@@ -95,6 +95,9 @@ def make_conformance_machine(
     request and passed as a list), e.g. {"num_draft_tokens": st.integers(1, 3)}; values
     must be plain data so they fit the JSON schedule. `counter`: a one-item list whose
     item counts the examples started (the caller's budget).
+
+    Over 80 lines: the class it returns is defined here, closing over these options (what
+    Hypothesis's rule-based machines need: rules are class attributes).
     """
     reference = memoized(reference)
     extra = dict(insert_options or {})

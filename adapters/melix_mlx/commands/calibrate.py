@@ -40,7 +40,9 @@ def register(subparsers: Any) -> None:
         "3 refused with a typed reason, 2 usage error.",
     )
     parser.add_argument(
-        "--model", default=None, metavar="DIR",
+        "--model",
+        default=None,
+        metavar="DIR",
         help="checkpoint directory or embedded name (stdlib-tiny, stdlib-hybrid; default: stdlib-tiny)",
     )
     parser.add_argument(
@@ -86,14 +88,14 @@ def run(args: argparse.Namespace) -> int:
     import msgspec
 
     from melix_fsm.commands.progress import Progress
-    from melix_fsm.policy.calibration import measure, out_of_order
+    from melix_fsm.policy.calibration import out_of_order
     from melix_fsm.policy.cost_model import CycleForwards, TimingTable, acceptance_prior, replay_rate
     from melix_fsm.policy.decision import decide
     from melix_fsm.policy.errors import CalibrationError
     from melix_fsm.policy.telemetry import detect
 
     from ..activation import replays_on_reject
-    from ..calibrate import build_forwards, device_kind, model_dtype
+    from ..calibrate import device_kind, model_dtype
     from ..errors import HeadLoadError
     from ..loading import load_with_heads
 
@@ -110,29 +112,7 @@ def run(args: argparse.Namespace) -> int:
     prior = acceptance_prior(info.family)
     k = args.num_draft_tokens
 
-    # Each batch size is measured on its own, so one poisoned size does not hide the others.
-    results: list[Any] = []
-    for B in args.batch_size:
-        progress.note(f"timing B={B}")
-        try:
-            fns = build_forwards(model, head, batch_size=B, k=k)
-            results.append(
-                measure(
-                    *fns,
-                    k=k,
-                    batch_size=B,
-                    runs=args.runs,
-                    warmup=args.warmup,
-                    budget_s=args.budget,
-                    max_spread=args.max_spread,
-                    note="mtp_head",
-                )
-            )
-        except CalibrationError as exc:
-            results.append(exc)
-        except Exception as exc:  # building the forwards failed: a typed refusal, not a crash
-            results.append(CalibrationError("measurement_failed", f"B={B}: {type(exc).__name__}: {exc}"))
-        progress.update(1)
+    results = _measure_sizes(args, model, head, k, progress)
     progress.close()
     # every forward a cycle runs is priced: a restore-and-replay decoder re-runs the kept
     # tokens of recurrent layers on every cycle that rejects a draft (batch-wide)
@@ -175,6 +155,39 @@ def run(args: argparse.Namespace) -> int:
     for clash in clashes:
         print(f"melix-fsm calibrate: measurement_poisoned: {clash}", file=sys.stderr)
     return EXIT_REFUSED if failed or clashes else EXIT_OK
+
+
+def _measure_sizes(args: argparse.Namespace, model: Any, head: Any, k: int, progress: Any) -> list[Any]:
+    """One timing per batch size, or its typed failure: each size is measured on its own, so
+    one poisoned size does not hide the others."""
+    from melix_fsm.policy.calibration import measure
+    from melix_fsm.policy.errors import CalibrationError
+
+    from ..calibrate import build_forwards
+
+    results: list[Any] = []
+    for B in args.batch_size:
+        progress.note(f"timing B={B}")
+        try:
+            fns = build_forwards(model, head, batch_size=B, k=k)
+            results.append(
+                measure(
+                    *fns,
+                    k=k,
+                    batch_size=B,
+                    runs=args.runs,
+                    warmup=args.warmup,
+                    budget_s=args.budget,
+                    max_spread=args.max_spread,
+                    note="mtp_head",
+                )
+            )
+        except CalibrationError as exc:
+            results.append(exc)
+        except Exception as exc:  # building the forwards failed: a typed refusal, not a crash
+            results.append(CalibrationError("measurement_failed", f"B={B}: {type(exc).__name__}: {exc}"))
+        progress.update(1)
+    return results
 
 
 def _print_table(args, family, dtype, hardware, prior, k, results, decisions) -> None:

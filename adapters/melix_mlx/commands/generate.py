@@ -62,7 +62,9 @@ def register(subparsers: Any) -> None:
         "a draft model, or plainly. Exit 0 ok, 2 usage error or unreadable input, 3 typed refusal.",
     )
     parser.add_argument(
-        "--model", default=None, metavar="DIR",
+        "--model",
+        default=None,
+        metavar="DIR",
         help="checkpoint directory or embedded name (stdlib-tiny, stdlib-hybrid; default: stdlib-tiny)",
     )
     source = parser.add_mutually_exclusive_group(required=True)
@@ -178,46 +180,19 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
 
     from melix_fsm.commands.options import serving_context
-    from melix_fsm.config import Method, speculative_config
     from melix_fsm.errors import ConfigError
-    from melix_fsm.lifecycle import SequenceMachine
-    from melix_fsm.reasons import RefusalReason
-    from melix_fsm.receipt import Mode, resolve
-    from melix_mlx.checkpoints import resolve_model
 
     try:
-        draft_dir = str(resolve_model(args.draft_model)) if args.draft_model else None
-        config = speculative_config(
-            profile=args.profile,
-            method=args.method,
-            num_draft_tokens=args.num_draft_tokens,
-            draft_model=draft_dir,
-            device_policy=args.device_policy,
-        )
+        config = _speculative_config(args)
     except ConfigError as exc:
         return _fail(str(exc))
     model_dir, model_source = _model_dir(args)
     batched = len(prompts) > 1 or args.batched
     context = serving_context(args, batched=batched)
-
-    # the receipt comes first: nothing has read a tensor yet (a sidecar pack is the
-    # exception: its contract loads the target to probe the head)
-    machine = SequenceMachine(0)
-    pack = Path(args.mtp_sidecar) if args.mtp_sidecar else None
-    preloaded = None
-    if pack is None:
-        receipt = resolve(model_dir, config, context=context, machine=machine)
-        if config.method is Method.mtp and receipt.refusal_reason is RefusalReason.missing_head_weights:
-            from melix_fsm.sidecar import find_pack
-
-            pack = find_pack(model_dir)  # a head-less target: a pack beside it by convention
-            machine = SequenceMachine(0) if pack is not None else machine
-    if pack is not None:
-        if not pack.is_dir():
-            return _fail(f"--mtp-sidecar {pack}: not a directory")
-        if args.sharding is not None:
-            return _fail("--sharding does not load a sidecar head pack; convert it into the checkpoint")
-        receipt, preloaded = _resolve_with_pack(model_dir, pack, config, context, machine)
+    first = _receipt_first(args, model_dir, config, context)
+    if isinstance(first, int):
+        return first
+    receipt, machine, preloaded = first
     from melix_mlx.startup import StartFailed, StartRefused, start
 
     def priced_context(tokenizer: Any) -> int:
@@ -240,16 +215,83 @@ def run(args: argparse.Namespace) -> int:
         return _refused(exc.receipt, exc.reason, exc.message, EXIT_USAGE if exc.usage else EXIT_REFUSED)
     except StartFailed as exc:
         return _fail(str(exc))
-    model, tokenizer, head, controller = boot.model, boot.tokenizer, boot.head, boot.controller
-    refusal, load_error, receipt_data = boot.refusal, boot.load_error, boot.receipt_data
-    if (refusal is not None and boot.receipt.mode is Mode.refused) or load_error is not None:
-        print(f"{PROG}: note: speculation refused ({refusal}); decoding plainly", file=sys.stderr)
-    if controller is not None and not boot.speculate:
+    _start_notes(args, boot)
+    common = {
+        "model": str(model_dir),
+        "model_source": model_source,
+        "method": config.method.value if boot.head is not None and boot.refusal is None else "none",
+        "num_draft_tokens": config.num_draft_tokens,
+        "receipt": boot.receipt_data,
+        "head_load_error": boot.load_error,
+    }
+    return _decode_and_print(args, boot, prompts, kv, machine, batched, common)
+
+
+def _speculative_config(args: argparse.Namespace) -> Any:
+    from melix_fsm.config import speculative_config
+    from melix_mlx.checkpoints import resolve_model
+
+    draft_dir = str(resolve_model(args.draft_model)) if args.draft_model else None
+    return speculative_config(
+        profile=args.profile,
+        method=args.method,
+        num_draft_tokens=args.num_draft_tokens,
+        draft_model=draft_dir,
+        device_policy=args.device_policy,
+    )
+
+
+def _receipt_first(args: argparse.Namespace, model_dir: Path, config: Any, context: Any) -> tuple | int:
+    """(receipt, lifecycle machine, preloaded model or None), or an exit status.
+
+    The receipt comes first: nothing has read a tensor yet (a sidecar pack is the
+    exception: its contract loads the target to probe the head)."""
+    from melix_fsm.config import Method
+    from melix_fsm.lifecycle import SequenceMachine
+    from melix_fsm.reasons import RefusalReason
+    from melix_fsm.receipt import resolve
+
+    machine = SequenceMachine(0)
+    pack = Path(args.mtp_sidecar) if args.mtp_sidecar else None
+    receipt = preloaded = None
+    if pack is None:
+        receipt = resolve(model_dir, config, context=context, machine=machine)
+        if config.method is Method.mtp and receipt.refusal_reason is RefusalReason.missing_head_weights:
+            from melix_fsm.sidecar import find_pack
+
+            pack = find_pack(model_dir)  # a head-less target: a pack beside it by convention
+            machine = SequenceMachine(0) if pack is not None else machine
+    if pack is not None:
+        if not pack.is_dir():
+            return _fail(f"--mtp-sidecar {pack}: not a directory")
+        if args.sharding is not None:
+            return _fail("--sharding does not load a sidecar head pack; convert it into the checkpoint")
+        receipt, preloaded = _resolve_with_pack(model_dir, pack, config, context, machine)
+    return receipt, machine, preloaded
+
+
+def _start_notes(args: argparse.Namespace, boot: Any) -> None:
+    """Say on stderr what the start decided where it is not the requested speculation."""
+    from melix_fsm.receipt import Mode
+
+    if (boot.refusal is not None and boot.receipt.mode is Mode.refused) or boot.load_error is not None:
+        print(f"{PROG}: note: speculation refused ({boot.refusal}); decoding plainly", file=sys.stderr)
+    if boot.controller is not None and not boot.speculate:
         note = boot.receipt.message
         print(f"{PROG}: note: {note}; decoding plainly unless the policy resumes", file=sys.stderr)
-    if args.receipt:  # else the summary line below (and --json results) say how it decoded
-        print(f"{PROG}: receipt: {json.dumps(receipt_data, separators=(',', ':'))}", file=sys.stderr)
+    if args.receipt:  # else the summary line (and --json results) say how it decoded
+        print(f"{PROG}: receipt: {json.dumps(boot.receipt_data, separators=(',', ':'))}", file=sys.stderr)
 
+
+def _decode_and_print(
+    args: argparse.Namespace,
+    boot: Any,
+    prompts: list[str],
+    kv: Any,
+    machine: Any,
+    batched: bool,
+    common: dict[str, Any],
+) -> int:
     import mlx.core as mx
 
     from melix_mlx.sampling import make_sampler
@@ -259,15 +301,8 @@ def run(args: argparse.Namespace) -> int:
     if args.seed is not None:
         mx.random.seed(args.seed)
     sampler = make_sampler(temp=args.temp, top_p=args.top_p)
-    k = boot.k
-    common = {
-        "model": str(model_dir),
-        "model_source": model_source,
-        "method": config.method.value if head is not None and refusal is None else "none",
-        "num_draft_tokens": config.num_draft_tokens,
-        "receipt": receipt_data,
-        "head_load_error": load_error,
-    }
+    model, tokenizer, head = boot.model, boot.tokenizer, boot.head
+    controller, refusal, k = boot.controller, boot.refusal, boot.k
     started = time.perf_counter()
     try:
         if not batched:

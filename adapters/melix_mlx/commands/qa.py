@@ -63,8 +63,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--surface", choices=SURFACES, default="auto")
     parser.add_argument("--reference", default=None, metavar="package.module:function")
     parser.add_argument("--replay", default=None, metavar="FILE")
-    parser.add_argument("--stops", default=None, metavar="package.module:builder",
-                        help="builds the target's stop object from a list of token tuples")
+    parser.add_argument(
+        "--stops",
+        default=None,
+        metavar="package.module:builder",
+        help="builds the target's stop object from a list of token tuples",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON report on stdout")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.set_defaults(run=run)
@@ -121,7 +125,7 @@ def _run(args: argparse.Namespace) -> int:
             return _usage(f"--replay {args.replay}: {exc}")
 
     from melix_fsm.testing.surfaces import SurfaceError, as_surface
-    from melix_mlx.qa.targets import TargetError, checkpoint_dir, load_model, resolve_target, vocab_size
+    from melix_mlx.qa.targets import TargetError, checkpoint_dir, load_model, resolve_target
 
     try:
         make_stops = resolve_target(args.stops).factory if args.stops else None
@@ -153,10 +157,27 @@ def _run(args: argparse.Namespace) -> int:
     if replay_doc is not None:
         return _replay(args, replay_doc, make, reference, probs_for, make_stops, sampling_note)
 
+    return _hunt(args, profile, skip, target, model, make, reference, make_stops, probs_for, sampling_note)
+
+
+def _hunt(
+    args: argparse.Namespace,
+    profile: dict[str, Any],
+    skip: list[Any],
+    target: Any,
+    model: Any,
+    make: Any,
+    reference: Any,
+    make_stops: Any,
+    probs_for: Any,
+    sampling_note: str,
+) -> int:
+    """The hunt and the distribution check on a loaded target, reported."""
     from hypothesis import settings as Settings
 
     from melix_fsm.testing.machine import PROFILES as KIT_PROFILES
     from melix_fsm.testing.qa import run_session
+    from melix_mlx.qa.targets import vocab_size
 
     from ..qa.progress import Progress
 
