@@ -236,6 +236,10 @@ class Bench:
 
     # -- cells ----------------------------------------------------------------------------
     def batch_cell(self, batch_size: int, k: int, temp: float, deepest: bool = False) -> Cell:
+        """One batch cell: plain, MTP, auto (and auto depth) interleaved per repeat.
+
+        Over 80 lines: each method's run is a closure over the cell's options and the
+        repeat loop's records read together, as in `single_cell`."""
         cell = Cell("batch", batch_size, k, temp)
         prompts = self._prompts(batch_size * self.requests_per_slot)
         spec_stats: list[dict[str, Any]] = []

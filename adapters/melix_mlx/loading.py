@@ -180,7 +180,17 @@ def load_with_heads(
         if not lazy:
             mx.eval(head.parameters())
     head_receipt.attach(head, receipt)
-    info = HeadInfo(
+    info = _head_info(
+        head, facts, receipt, quantized=facts["stored_quantized"] or quantize_head, main_quant=main_quant
+    )
+    return model, tokenizer, head, info
+
+
+def _head_info(
+    head: MTPHeadBase | StackedHead, facts: dict[str, Any], receipt: Any, *, quantized: bool, main_quant: dict
+) -> HeadInfo:
+    """What a loaded head is, for the receipt and the reports."""
+    return HeadInfo(
         family=facts["family"],
         model_type=facts["model_type"],
         advertised_layers=facts["advertised_layers"],
@@ -191,7 +201,7 @@ def load_with_heads(
         sidecar=facts["sidecar"],
         norms_repaired_on_load=facts["norms_repaired_on_load"],
         head_dtype=first_float_dtype(head),
-        head_quantized=facts["stored_quantized"] or quantize_head,
+        head_quantized=quantized,
         main_quantized=bool(main_quant),
         own_lm_head=facts["own_lm_head"],
         chain_post_norm=head.CHAIN_POST_NORM,
@@ -200,4 +210,3 @@ def load_with_heads(
         receipt=receipt,
         refusal=head_receipt.of_receipt(receipt),
     )
-    return model, tokenizer, head, info
