@@ -1,14 +1,15 @@
-"""One single-sequence bench cell (MTP at depth k vs mlx-lm) on a widened checkpoint.
+"""One bench cell (MTP at depth k vs mlx-lm) on a widened checkpoint: single-sequence, or
+a batch of B rows (MTPBatchGenerator vs mlx-lm's BatchGenerator).
 
 Usage:
     python benchmarks/bench_widen_cell.py [--model stdlib-hybrid-wide] [--k 2] [--repeats 6]
-        [--max-tokens 48] [--regime openblas|reference|current]
+        [--max-tokens 48] [--batch-size B] [--temp T] [--regime openblas|reference|current]
 
-The cell is `melix_mlx.bench.Bench.single_cell` as `melix-fsm bench` runs it (held-out
-prompts from the checkpoint's training report, cut short by default; the methods
-interleaved per repeat; the A/A control on; the ideal ratio from a calibration at batch 1;
-auto beside forced-on), without the depth chooser and the batch and draft-model cells: a
-realistic-size cell in minutes. Re-executes itself in the regime (the BLAS must be loaded
+The cell is `melix_mlx.bench.Bench.single_cell` (or `batch_cell` with --batch-size) as
+`melix-fsm bench` runs it (held-out prompts from the checkpoint's training report, cut
+short by default; the methods interleaved per repeat; the A/A control on; the ideal ratio
+from a calibration at the cell's batch size; auto beside forced-on), without the depth
+chooser and the draft-model cells: a realistic-size cell in minutes. Re-executes itself in the regime (the BLAS must be loaded
 before mlx). Prints the cell as one JSON object.
 """
 
@@ -39,6 +40,8 @@ def main() -> None:
         "a realistic-size prefill of 450-700 tokens costs seconds on a CPU",
     )
     p.add_argument("--no-aa-control", action="store_true", help="skip mlx-lm's second run per repeat")
+    p.add_argument("--batch-size", type=int, default=0, help="0: the single-sequence cell; B: a batch cell")
+    p.add_argument("--temp", type=float, default=0.0)
     p.add_argument("--regime", choices=["openblas", "reference", "current"], default="openblas")
     args = p.parse_args()
     if args.regime != "current":
@@ -66,9 +69,12 @@ def main() -> None:
         aa_control=not args.no_aa_control,
         progress=tick,
     )
-    bench.calibrate([1], [args.k])
+    bench.calibrate([max(args.batch_size, 1)], [args.k])
     print(f"calibrated in {time.perf_counter() - started:.0f} s", file=sys.stderr)
-    cell = vars(bench.single_cell(args.k, 0.0))
+    if args.batch_size:
+        cell = vars(bench.batch_cell(args.batch_size, args.k, args.temp))
+    else:
+        cell = vars(bench.single_cell(args.k, args.temp))
     out = {
         "model": args.model,
         "path": str(path),
