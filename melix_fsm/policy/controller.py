@@ -395,6 +395,15 @@ class LiveController(LiveEstimates):
             # measure the plain side now rather than after first_probe_after steps
             self._start_probe("plain", batch_size)
             return
+        if self._acceptance_disproves_prior(batch_size):
+            # the prior admitted on an acceptance the run does not show: the calibrated cost
+            # at the optimistic end of the measured acceptance loses (a run too short for a
+            # plain probe cannot wait for one)
+            self._send(ModeEvent.suspend, LiveReason.low_acceptance)
+            self.counters.suspend_decisions += 1
+            self._next_spec_probe = self.step + self._spec_wait
+            self._record(Action.suspend, LiveReason.low_acceptance, batch_size, self.estimate(batch_size))
+            return
         if self.step % cfg.every or not self._dwelt():
             return
         est = self.estimate(batch_size)
@@ -424,6 +433,24 @@ class LiveController(LiveEstimates):
             return False
         est = self.estimate(batch_size)
         return est.source == "measured_spec" and self._below(est, cfg.suspend_below)
+
+    def _acceptance_disproves_prior(self, batch_size: int) -> bool:
+        """Before any two-sided measurement: even at the optimistic end of the measured
+        acceptance (`PositionAcceptance.optimistic_tokens`), the calibrated cycle cost makes
+        speculation slower than plain. Acceptance needs no clock, so a contended machine
+        that skews the timings cannot hide it; the calibration's cost ratios price it."""
+        cfg = self.config
+        if not self._timed or self.counters.plain_probes or self.table is None:
+            return False
+        if self.counters.probes or self.counters.resume_decisions:
+            return False  # on by a measurement (a probe passed, a resume), not by the prior
+        if self.depth.exploring is not None or self.step % cfg.every:
+            return False  # (no dwell: the prior's admission was no measured switch)
+        k = self.depth.chosen
+        if self.acceptance.offered[1] < cfg.min_samples * batch_size:
+            return False
+        best = self.acceptance.optimistic_tokens(k, cfg.z) / self.cycle_cost(batch_size, k)
+        return best < cfg.suspend_below
 
     def _while_off(self, batch_size: int) -> None:
         cfg = self.config

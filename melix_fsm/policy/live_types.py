@@ -43,7 +43,7 @@ class LiveReason(enum.StrEnum):
     probe_passed = "probe_passed"  # the speculative probe measured faster: stay on
     probe_failed = "probe_failed"  # it did not: suspended again, longer wait
     probe_inconclusive = "probe_inconclusive"  # too few usable samples: back to where it was
-    low_acceptance = "low_acceptance"  # untimed (cost model): acceptance no longer pays
+    low_acceptance = "low_acceptance"  # the cost model at live acceptance: it no longer pays
     compute_bound = "compute_bound"  # untimed: not even perfect acceptance pays here
     above_threshold = "above_threshold"  # the estimate pays again
     shared_decision = "shared_decision"  # rank 0's decision replaced this rank's

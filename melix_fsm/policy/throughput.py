@@ -137,6 +137,17 @@ class PositionAcceptance:
     def summary(self) -> list[float]:
         return self.positions(self.max_k)
 
+    def optimistic_tokens(self, k: int, z: float) -> float:
+        """E[tokens per cycle at depth k] at the optimistic end of what was measured: each
+        position's Wilson upper bound at z standard errors (1.0 where none was offered),
+        with the forgetting counts as the sample size. Below it, acceptance alone says a
+        cycle yields fewer tokens, whatever the noise of so few drafts."""
+        total = 1.0
+        for p in range(1, k + 1):
+            n = self.offered[p] if p <= self.max_k else 0.0
+            total += _wilson_upper(self.accepted[p], n, z) if n > 0.5 else 1.0
+        return total
+
 
 def _geometric_acceptance(rate: float, k: int) -> float:
     """The per-draft a whose chained geometric gives accepted/proposed = rate at depth k."""
@@ -150,3 +161,11 @@ def _geometric_acceptance(rate: float, k: int) -> float:
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+def _wilson_upper(successes: float, n: float, z: float) -> float:
+    """The Wilson score interval's upper end for a binomial rate (sound at 0 and 1)."""
+    p = successes / n
+    centre = p + z * z / (2 * n)
+    spread = z * math.sqrt(max(p * (1 - p) / n + z * z / (4 * n * n), 0.0))
+    return min((centre + spread) / (1 + z * z / n), 1.0)

@@ -99,8 +99,9 @@ def test_any_slower_workload_is_suspended_within_a_bounded_number_of_steps(slowd
     ctrl = LiveController(ADMITTING, prior=PRIOR, depth=2)
     history = run(world, ctrl, NOISY_VERDICT)
     assert ctrl.counters.suspend_decisions == 1 and ctrl.counters.probes_passed == 0
-    # clearly slower, or inside the noise and below 1 (plain wins ties): both suspend
-    not_faster = (LiveReason.measured_slower, LiveReason.measured_not_faster)
+    # clearly slower, or inside the noise and below 1 (plain wins ties): both suspend; or,
+    # before any plain window, an acceptance that even optimistically cannot pay
+    not_faster = (LiveReason.measured_slower, LiveReason.measured_not_faster, LiveReason.low_acceptance)
     suspended_at = next(e.step for e in ctrl.events if e.reason in not_faster)
     assert suspended_at <= NOISY_VERDICT
     if slowdown <= 0.7:  # a clear slowdown is caught by the first plain probe
@@ -619,3 +620,29 @@ def test_no_switch_is_announced_where_none_can_come():
         LiveController(CalibrationError("measurement_failed", "x"), prior=PRIOR),
     ):
         assert not any(ctrl.plain_due for _ in run(FAST, ctrl, 300))
+
+
+# Calibrated at batch 4 on a loaded machine: every forward priced ~1.8x what the run then
+# measures, but the verify / plain ratio (1.72) holds. The prior (0.8) admits.
+SKEWED_B4 = Timings(t_1=1.0, t_verify=1.72, t_head=0.05, k=2, batch_size=4)
+
+
+@pytest.mark.parametrize("keep, suspends", [(0.28, True), (0.75, False)])
+def test_a_prior_the_runs_acceptance_disproves_is_dropped_before_any_probe(keep, suspends):
+    # A short sampled run at batch 4: the timings flow (speculation measures ~1.3x the
+    # skewed calibrated plain, so no timing check can fire) and the run is too short for a
+    # plain probe. Acceptance needs no clock: at keep 0.28 even its optimistic bound makes
+    # the calibrated cycle lose, so the prior's admission is dropped; at 0.75 it stands.
+    world = World(plain_s=0.55, cycle_s=lambda k: 0.55 * 1.72 + 0.1, keep=keep, batch_size=4, budget=100)
+    ctrl = LiveController(SKEWED_B4, prior=PRIOR, depth=2, batch_size=4)
+    assert ctrl.speculating  # the prior admitted
+    run(world, ctrl, 16)
+    assert ctrl.counters.plain_probes == 0
+    dropped = [e for e in ctrl.events if e.reason == LiveReason.low_acceptance]
+    assert bool(dropped) is suspends
+    if suspends:
+        assert not ctrl.speculating and dropped[0].step <= 12
+        # what it timed was ahead of the calibrated plain: only acceptance could tell
+        assert dropped[0].source == "measured_spec" and dropped[0].measured_speedup > 1.0
+    else:
+        assert ctrl.speculating
