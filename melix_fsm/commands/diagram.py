@@ -52,7 +52,10 @@ def register(subparsers: Any) -> None:
         help="which files to write (default: all; svg needs Graphviz dot)",
     )
     parser.add_argument(
-        "--out", type=Path, default=None, help="output directory (default: the spec's diagrams/)"
+        "--out",
+        type=Path,
+        default=None,
+        help="output directory (default: the spec's diagrams/ in a source checkout, else ./diagrams)",
     )
     parser.add_argument(
         "--check",
@@ -83,6 +86,11 @@ def run(args: argparse.Namespace) -> int:
     out: Path = args.out if args.out is not None else _default_out()
     names = diagrams.FORMATS[args.format]
     root = _checkout_root() if args.out is None else None  # pages only beside the default output
+    if args.out is None and root is None and not args.check:
+        # an installed package: its spec/diagrams/ lies in site-packages, which is no place
+        # to write; the working directory is
+        out = Path("diagrams")
+        print(f"melix-fsm diagram: note: not a source checkout; writing to {out.resolve()}", file=sys.stderr)
     if args.check:
         stale = []
         for name, fresh in diagrams.render_text(names).items():

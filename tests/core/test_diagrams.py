@@ -115,3 +115,19 @@ def test_a_bad_embedded_block_names_the_page() -> None:
     with pytest.raises(SpecError, match="not closed"):
         unclosed = "<!-- melix-fsm diagram: lifecycle.mmd -->\n```mermaid\n"
         diagram_copies.refresh(unclosed, _render_copy, "P.md")
+
+
+def test_an_installed_package_writes_to_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # outside a source checkout the spec's diagrams/ lies in site-packages: never written
+    from melix_fsm.commands import diagram
+
+    monkeypatch.setattr(diagram, "_checkout_root", lambda: None)
+    monkeypatch.chdir(tmp_path)
+    before = {p: p.stat().st_mtime_ns for p in DIAGRAMS.iterdir()}
+    assert main(["diagram", "--format", "mermaid"]) == 0
+    assert "not a source checkout" in capsys.readouterr().err
+    written = sorted(p.name for p in (tmp_path / "diagrams").iterdir())
+    assert written and all(name.endswith(".mmd") for name in written)
+    assert {p: p.stat().st_mtime_ns for p in DIAGRAMS.iterdir()} == before
