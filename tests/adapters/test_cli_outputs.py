@@ -158,3 +158,21 @@ def test_calibrate_shows_progress_as_plain_lines_off_a_terminal(capsys: pytest.C
     assert "\r" not in err
     main([*argv, "--no-progress"])  # no progress line (a poisoned run's error line may still name it)
     assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("calibrate: ")]
+
+
+@pytest.mark.usefixtures("plot_extra")
+def test_a_failed_regime_run_is_an_exit_status_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import subprocess
+
+    from melix_mlx.commands import bench as bench_command
+
+    def child_refused(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess:
+        return subprocess.CompletedProcess(argv, 3)  # the child printed its refusal and exited 3
+
+    monkeypatch.setattr(bench_command.subprocess, "run", child_refused)
+    argv = ["bench", "--regime", "reference", "--batch-sizes", "1", "--no-progress", "--out", str(tmp_path)]
+    assert main(argv) == 3
+    err = capsys.readouterr().err
+    assert "the reference run failed (exit 3)" in err and "Traceback" not in err

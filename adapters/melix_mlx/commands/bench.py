@@ -109,7 +109,8 @@ def reexec_in_regime(regime: str) -> None:
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
-def _child(args: argparse.Namespace, regime: str) -> dict[str, Any]:
+def _child(args: argparse.Namespace, regime: str) -> dict[str, Any] | int:
+    """The regime's results, or the exit status of its failed run."""
     env = regime_env(regime)
     argv = [sys.executable, "-m", "melix_fsm.cli", "bench", "--regime", "current", "--out", str(args.out)]
     argv += ["--model", str(args.model), "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats)]
@@ -124,7 +125,10 @@ def _child(args: argparse.Namespace, regime: str) -> dict[str, Any]:
         argv.append("--no-progress")
     if args.no_aa_control:
         argv.append("--no-aa-control")
-    subprocess.run(argv, env=env, check=True)
+    status = subprocess.run(argv, env=env).returncode
+    if status != 0:  # the child printed its own error; the other regime still runs
+        print(f"melix-fsm bench: the {regime} run failed (exit {status}), its error above", file=sys.stderr)
+        return status
     return json.loads((args.out / f"bench-{regime}.json").read_text())
 
 
@@ -156,9 +160,14 @@ def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     from melix_mlx.bench_report import markdown, plot, table
 
+    failed: list[int] = []
     if args.regime in ("reference", "openblas", "both"):
         regimes = ["reference", "openblas"] if args.regime == "both" else [args.regime]
-        results = {name: _child(args, name) for name in regimes}
+        outcomes = {name: _child(args, name) for name in regimes}
+        failed = [status for status in outcomes.values() if isinstance(status, int)]
+        results = {name: data for name, data in outcomes.items() if not isinstance(data, int)}
+        if not results:
+            return failed[0]
     else:
         from melix_mlx.bench import run as bench_run
         from melix_mlx.errors import HeadLoadError
@@ -197,4 +206,4 @@ def run(args: argparse.Namespace) -> int:
         (args.out / f"bench-{name}.md").write_text(markdown(data) + "\n")
     print(f"plot: {plot(results, args.out / 'bench.png')}")
     print(f"results: {args.out}")
-    return 0
+    return failed[0] if failed else 0
