@@ -156,11 +156,17 @@ class Bench:
     def open(cls, model_dir: Path, **options: Any) -> Bench:
         """A Bench over a checkpoint folder: its model, tokenizer, head and family, and its
         held-out prompts unless `prompts` is given (`run` and the scripts in benchmarks/)."""
-        from .loading import load_with_heads
+        from melix_fsm.config import speculative_config
+        from melix_fsm.receipt import ServingContext
 
-        model, tokenizer, head, info = load_with_heads(model_dir)
+        from .startup import start
+
+        # the start every command makes (receipt, typed refusals, load); the cells measure
+        # speculation themselves, so the device policy is not evaluated here
+        config = speculative_config(method="mtp", device_policy="force_on")
+        boot = start(Path(model_dir), config, ServingContext(), evaluate_policy=False)
         options["prompts"] = list(options.get("prompts") or held_out_prompts(model_dir))
-        return cls(model, tokenizer, head, family=info.family, **options)
+        return cls(boot.model, boot.tokenizer, boot.head, family=boot.receipt.family, **options)
 
     def context(self, batch_size: int) -> int:
         """Tokens the cell's cache holds mid-run: attention costs grow with it. A batch's

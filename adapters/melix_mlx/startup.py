@@ -87,8 +87,13 @@ def start(
     receipt: Receipt | None = None,
     machine: SequenceMachine | None = None,
     preloaded: tuple[Any, Any, Any] | None = None,
+    evaluate_policy: bool = True,
 ) -> Start:
     """Resolve, load and evaluate the model at `path` (see the module rules).
+
+    `evaluate_policy=False` stops before the device policy (no controller): a caller that
+    measures speculation itself (the bench) still gets the receipt, the typed refusals and
+    the load exactly as `generate` and `serve` do.
 
     `receipt` / `preloaded` / `machine`: a start whose receipt was resolved already (a
     sidecar pack's contract loads the target to probe it: (model, tokenizer, head)).
@@ -114,7 +119,7 @@ def start(
         # the receipt admitted this start: the spec's late refusal, on the same machine
         machine.send(Signal(event=Event.refuse, reason=refusal))
     controller, speculate = None, False
-    if head is not None and refusal is None:
+    if head is not None and refusal is None and evaluate_policy:
         priced = eval_context(tokenizer) if eval_context is not None else None
         activation = evaluate(model, head, receipt, config, batch_size=batch_size, context=priced)
         receipt, controller = activation.receipt, activation.controller

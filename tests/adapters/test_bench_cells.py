@@ -37,8 +37,16 @@ def test_cells_record_every_side_once_per_repeat():
     prompts = [Prompt("code", text, "test") for text in ("def add(a, b):\n", "import os\nimport sys\n")]
     bench = Bench.open(resolve_model("stdlib-tiny"), max_tokens=6, repeats=2, prompts=prompts)
     assert bench.family == "deepseek_v3" and bench.workload_prompts == prompts  # checkpoint, caller
-    calibration = bench.calibrate([2], [2])
-    assert isinstance(calibration["2"], list)  # calibrated: the auto runs have their prior
+    # a calibration gives the table or its typed failure, recorded where the cells look
+    calibration = bench.calibrate([1], [1])["1"]
+    if isinstance(calibration, list):
+        assert 1 in bench.timings and [e["batch_size"] for e in calibration] == [1]
+    else:  # a loaded machine poisons it: typed, and auto runs disabled there
+        assert isinstance(bench.failures[1], CalibrationError)
+        assert calibration["error"].startswith("measurement")
+    # the auto runs' prior: a fixed calibration (a measured one is poisoned on a loaded
+    # machine, and what is tested here is the cells, not the timing)
+    bench.timings[2] = TimingTable.of(Timings(t_1=1.0, t_verify=1.1, t_head=0.1, k=2, batch_size=2))
     for cell in (bench.batch_cell(2, 2, 0.0, deepest=True), bench.single_cell(2, 0.0, deepest=True)):
         assert len(cell.samples) == 2 and all(b > 0 and m > 0 for b, m in cell.samples)
         assert cell.auto_tps is not None and cell.auto_over_plain is not None

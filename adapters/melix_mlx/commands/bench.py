@@ -171,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         from melix_mlx.bench import run as bench_run
         from melix_mlx.errors import HeadLoadError
+        from melix_mlx.startup import StartFailed, StartRefused
         from melix_mlx.workloads import from_file
 
         try:
@@ -195,6 +196,12 @@ def run(args: argparse.Namespace) -> int:
         except HeadLoadError as exc:
             print(f"melix-fsm bench: refused: {exc.reason}: {exc}", file=sys.stderr)
             return 3
+        except StartRefused as exc:  # the receipt or the head loader refused MTP here
+            print(f"melix-fsm bench: refused: {exc}", file=sys.stderr)
+            return 2 if exc.usage else 3
+        except StartFailed as exc:
+            print(f"melix-fsm bench: error: {exc}", file=sys.stderr)
+            return 2
         tag = getattr(args, "tag", None) or "current"
         (args.out / f"bench-{tag}.json").write_text(json.dumps(data, indent=1))
         results = {tag: data}
