@@ -8,8 +8,10 @@ Rules of this module (the rules of melix_mlx.distributed hold here too):
 - What rank 0 decides is a `Command`: at most one new request (the request without its
   local cancel flag, and its generation arguments: each rank tokenizes it and builds the
   same sampler and processors), the uids cancelled since the last turn, and shutdown.
-  mlx-lm's loop shares its own removals (`uids_to_remove`) and its time budget; sampled,
-  drafted and accepted tokens are rank 0's through `Agreement` inside each step.
+  mlx-lm's loop shares its own removals (`uids_to_remove`); sampled, drafted and accepted
+  tokens are rank 0's through `Agreement` inside each step. A turn runs `STEPS_PER_TURN`
+  steps (fewer when the batch has nothing to do) instead of mlx-lm's time budget, whose
+  clock-syncing collective hung the ranks here once rows left a batch mid-run.
 - Cancellation: a client's cancel flips a flag on rank 0 at any time, so no rank reads
   that flag in a step. A cancellation counts from the turn whose command carries it
   (`ServingBatchGenerator.committed`), on every rank alike.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import faulthandler
 import json
 import logging
 import os
@@ -48,6 +51,7 @@ from .runtime import RequestCancelled, ServingResponseGenerator, SpeculativeCont
 
 RANK_TIMEOUT_S = 60.0  # a collective that has not returned by then: a rank died or hung
 SIGNAL_GRACE_S = 10.0  # past the drain timeout, a signalled follower stops waiting for rank 0
+STEPS_PER_TURN = 8  # batched steps between two turns, on every rank (no clock decides it)
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,14 @@ class DistributedResponseGenerator(ServingResponseGenerator):
         self.watchdog.start()
         super().__init__(*args, **kwargs)  # starts the generation thread
 
+    @property
+    def _time_budget(self) -> Any:
+        return range(STEPS_PER_TURN)
+
+    @_time_budget.setter
+    def _time_budget(self, _: Any) -> None:  # mlx-lm's, which syncs its clock with a collective
+        pass
+
     # -- one turn: rank 0 decides, every rank applies -------------------------------
     def _next_request(self, timeout: float | None = None) -> Any:
         self.watchdog.beat()
@@ -186,6 +198,7 @@ class DistributedResponseGenerator(ServingResponseGenerator):
             self.watchdog.stop()
 
     def _hung(self) -> None:
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)  # where this rank waits
         message = f"a collective did not return within {self.rank_timeout_s:g} s: a rank died or hung"
         self._lose(PeerLost(message, rank=self.rank))
 
