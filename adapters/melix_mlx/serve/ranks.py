@@ -15,10 +15,13 @@ Rules of this module (the rules of melix_mlx.distributed hold here too):
 - Cancellation: a client's cancel flips a flag on rank 0 at any time, so no rank reads
   that flag in a step. A cancellation counts from the turn whose command carries it
   (`ServingBatchGenerator.committed`), on every rank alike.
-- The loop shares a turn at least every 0.1 s while idle (mlx-lm's queue timeout): the
-  heartbeat. A `Watchdog` per rank ends the rank when its loop has not come back from a
-  collective within `rank_timeout_s` (a peer died or hung); a peer that died usually
-  shows sooner, as a ring error raised by the step. Either way the rank is lost: on rank 0
+- The loop shares a turn at least every 0.1 s while idle (mlx-lm's queue timeout), and
+  beats at every turn and after every batched step: a step (one cycle, or one prefill of
+  the joining rows) is the unit the bound applies to, never a whole turn of
+  `STEPS_PER_TURN` steps, which on a loaded CPU outlasts a short bound while every rank
+  progresses in lockstep. A `Watchdog` per rank ends the rank when its loop has not come
+  back from a step's collectives within `rank_timeout_s` (a peer died or hung); a peer
+  that died usually shows sooner, as a ring error raised by the step. Either way the rank is lost: on rank 0
   every open request fails with `rank_lost` (503, or an error event in a stream) and the
   server exits 4; a follower prints its typed line and exits 4.
 - Shutdown is a command too: after rank 0's drain, its `stop` shares `shutdown`, every
@@ -185,6 +188,7 @@ class DistributedResponseGenerator(ServingResponseGenerator):
         generator = super()._make_batch_generator(model, **options)
         generator.committed = self._committed
         generator.fatal_errors = True
+        generator.heartbeat = self.watchdog.beat  # the bound is per step (see the rules)
         return generator
 
     # -- the loop, its end, its loss ---------------------------------------------------

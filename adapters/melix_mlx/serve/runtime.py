@@ -47,6 +47,7 @@ import contextlib
 import logging
 import threading
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from queue import Queue
 from typing import Any
@@ -144,9 +145,11 @@ class ServingBatchGenerator(MTPBatchGenerator):
         self.metrics = metrics
         self._failed: dict[int, BaseException] = {}
         # sharded serving (melix_mlx.serve.ranks): the cancellations every rank has agreed
-        # on (None: read each context's own flag), and a batched step's error ends the server
+        # on (None: read each context's own flag), a batched step's error ends the server,
+        # and each finished step tells the rank's watchdog that its collectives returned
         self.committed: set[int] | None = None
         self.fatal_errors = False
+        self.heartbeat: Callable[[], None] | None = None
 
     def insert_segments(self, segments: list, *args: Any, **kwargs: Any) -> list[int]:
         first = self.next_uid
@@ -240,6 +243,8 @@ class ServingBatchGenerator(MTPBatchGenerator):
         self.metrics.observe_step(
             self.last_report, len(generation), self.prompt_tokens - prompt_before, self.batch.rows
         )
+        if self.heartbeat is not None:
+            self.heartbeat()
         return prompt_responses, generation
 
     def _abandon_batch(self, exc: BaseException) -> None:
