@@ -37,6 +37,7 @@ class RequestEvent(enum.StrEnum):
     fault = "fault"
     drain = "drain"
     drain_timeout = "drain_timeout"
+    rank_lost = "rank_lost"
 
 
 REQUEST: CompiledMachine[RequestState, RequestEvent] = CompiledMachine(

@@ -34,11 +34,13 @@ Rules of this module:
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Any
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED = 0, 2, 3
+RANK_TIMEOUT_S = 60.0  # melix_mlx.serve.ranks.RANK_TIMEOUT_S (no mlx imported here)
 PROG = "melix-fsm serve"
 API_KEY_ENV = "MELIX_FSM_API_KEY"
 
@@ -100,6 +102,14 @@ def register(subparsers: Any) -> None:
         "--served-model-name", default=None, metavar="NAME",
         help="the model id clients see and send (default: the checkpoint directory's base name)",
     )
+    parser.add_argument(
+        "--sharding", choices=["tensor", "pipeline"], default=None,
+        help="under mlx.launch: shard the model over the ranks (rank 0 serves HTTP; docs/distributed.md)",
+    )
+    parser.add_argument(
+        "--rank-timeout", type=float, default=None, metavar="S",
+        help="sharded: seconds a collective may take before the server ends as rank_lost (default 60)",
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.set_defaults(run=run)
 
@@ -124,6 +134,7 @@ def load_from_args(args: argparse.Namespace) -> Any:
         profile=args.profile,
         kv=kv_arguments(args),
         chunked_prefill=args.chunked_prefill,
+        sharding=args.sharding,
     )
 
 
@@ -135,33 +146,51 @@ def limits_from_args(args: argparse.Namespace) -> Any:
     return ServeLimits(max_tokens_limit=args.max_tokens_limit, **given)
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.max_batch_size < 1:
-        return _fail("--max-batch-size must be >= 1")
-    if args.max_tokens_limit < 1:
-        return _fail("--max-tokens-limit must be >= 1")
-    if not 0 <= args.port < 65536:
-        return _fail("--port must be within [0, 65535]")
+def _problems(args: argparse.Namespace, limits: Any) -> list[str]:
     from melix_mlx.serve.limits import check
 
+    problems = []
+    if args.max_batch_size < 1:
+        problems.append("--max-batch-size must be >= 1")
+    if args.max_tokens_limit < 1:
+        problems.append("--max-tokens-limit must be >= 1")
+    if not 0 <= args.port < 65536:
+        problems.append("--port must be within [0, 65535]")
+    problems += check(limits)
+    if args.rank_timeout is not None and not args.rank_timeout > 0:
+        problems.append("--rank-timeout must be > 0")
+    return problems
+
+
+def run(args: argparse.Namespace) -> int:
     limits = limits_from_args(args)
-    problems = check(limits)
+    problems = _problems(args, limits)
     if problems:
         return _fail("; ".join(problems))
     import json
-    import logging
 
+    from melix_mlx.distributed import init_group
     from melix_mlx.serve.app import start_server
     from melix_mlx.serve.provider import ServeError, ServeRefused
 
+    group = init_group()
+    rank, ranks = group.rank(), group.size()
+    if ranks > 1 and args.sharding is None:
+        return _fail(f"launched on {ranks} ranks: give --sharding tensor|pipeline")
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(message)s")
+    if ranks > 1:
+        print(f"{PROG}: rank {rank}/{ranks} pid {os.getpid()}", file=sys.stderr, flush=True)
     try:
         served = load_from_args(args)
     except ServeRefused as exc:
-        print(json.dumps({"error": exc.reason.value, "message": exc.message, "receipt": exc.receipt}))
+        if rank == 0:  # every rank refuses alike (decided from the config); one line on stdout
+            print(json.dumps({"error": exc.reason.value, "message": exc.message, "receipt": exc.receipt}))
         return _fail(str(exc), EXIT_REFUSED)
     except (ServeError, ValueError) as exc:
         return _fail(str(exc))
+    options = _rank_options(args) if ranks > 1 else {}
+    if rank != 0:
+        return _follow(served, args, limits, options)
     print(f"{PROG}: receipt: {json.dumps(served.receipt, separators=(',', ':'))}", file=sys.stderr)
     names = (args.model,) if args.model else ("stdlib-tiny",)
     try:
@@ -176,9 +205,12 @@ def run(args: argparse.Namespace) -> int:
             api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
             allowed_origins=args.allowed_origins,
             background=False,
+            **options,
         )
     except OSError as exc:
         return _fail(f"cannot listen on {args.host}:{args.port}: {exc}")
+    if ranks > 1:
+        _bind_loss(server, limits)
     note = f" (refused: {served.refusal})" if served.refusal else ""
     print(
         f"{PROG}: {server.state.names[0]} on {server.url} method={served.method}{note} "
@@ -194,8 +226,58 @@ def run(args: argparse.Namespace) -> int:
         pass
     finally:
         server.stop()
+    lost = getattr(server.generator, "lost", None)
+    if lost is not None:  # a sharded server lost a rank: its requests failed; exit typed, 4
+        from melix_mlx.serve.ranks import exit_lost
+
+        exit_lost(lost)
+    return _stopped()
+
+
+def _stopped() -> int:
     print(f"{PROG}: stopped", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
     os._exit(EXIT_OK)
+
+
+def _bind_loss(server: Any, limits: Any) -> None:
+    """Rank 0: a lost rank fails every open request, then the server exits 4 (bounded)."""
+    import threading
+
+    from melix_mlx.serve.app import GRACE_S
+    from melix_mlx.serve.ranks import exit_lost
+
+    def on_lost(error: Any) -> None:
+        print(f"{PROG}: rank lost: {error}", file=sys.stderr, flush=True)
+        server.server.lose(f"a rank of this sharded server was lost: {error}")
+        # uvicorn returns once the failed handlers end; should it not, this ends the process
+        backstop = threading.Timer(limits.drain_timeout_s + 2 * GRACE_S, exit_lost, (error,))
+        backstop.daemon = True
+        backstop.start()
+
+    server.generator.bind(on_lost)
+
+
+def _rank_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`start_server`'s options on a rank of a sharded server (melix_mlx.serve.ranks)."""
+    from melix_mlx.serve.ranks import DistributedResponseGenerator
+
+    return {"generator_class": DistributedResponseGenerator,
+            "generator_options": {"rank_timeout_s": args.rank_timeout or RANK_TIMEOUT_S}}
+
+
+def _follow(served: Any, args: argparse.Namespace, limits: Any, options: dict[str, Any]) -> int:
+    """A follower rank: no HTTP; it replays rank 0's turns until rank 0's shutdown."""
+    from melix_mlx.serve.app import start_generator
+    from melix_mlx.serve.limits import resolve
+    from melix_mlx.serve.ranks import follow
+
+    limits = resolve(limits, served.path)
+    generator = start_generator(
+        served, max_batch_size=args.max_batch_size, limits=limits, **options["generator_options"],
+        generator_class=options["generator_class"],
+    )
+    follow(generator, drain_timeout_s=limits.drain_timeout_s)
+    return _stopped()

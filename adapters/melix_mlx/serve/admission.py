@@ -8,6 +8,8 @@ Rules of this module:
   started ones may finish until the timeout, then each is ended (`drain_timeout`): a
   stream ends with an error event and a finish reason, a plain request gets 503.
   `drained` is set when no request is left.
+- A sharded server that lost a rank (`fail_all`) ends every open request with
+  `rank_lost` (503, or an error event in a stream) and refuses new ones with 503.
 - Each ended request is counted by its final state (`melix_requests_total{state}`).
 """
 
@@ -32,10 +34,13 @@ class Admission:
         self.capacity = capacity
         self.live: set[Submission] = set()
         self.draining = False
+        self.lost: str | None = None  # a sharded server lost a rank: nothing more is served
         self.drained = asyncio.Event()
 
     def admit(self, sub: Submission) -> None:
         """Queue `sub` for the generation thread, or refuse it (ApiError 429/503)."""
+        if self.lost is not None:
+            raise ApiError(503, self.lost, code=RequestEvent.rank_lost.value)
         if self.draining:
             raise ApiError(503, "the server is shutting down", code="draining")
         if not self.generator.generation_available():
@@ -78,3 +83,9 @@ class Admission:
     def _timeout(self) -> None:
         for sub in list(self.live):
             sub.abort(RequestEvent.drain_timeout, "the server's drain timeout passed")
+
+    def fail_all(self, reason: str) -> None:
+        """A rank is lost (on the event loop): every open request fails at once (`rank_lost`)."""
+        self.lost = reason
+        for sub in list(self.live):
+            sub.abort(RequestEvent.rank_lost, reason)

@@ -66,6 +66,7 @@ class DrainingServer(uvicorn.Server):
 
     admission: Admission
     drain_timeout_s: float
+    lost: str | None = None  # why a sharded server lost a rank (melix_mlx.serve.ranks)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.should_exit:
@@ -83,6 +84,19 @@ class DrainingServer(uvicorn.Server):
     def _drain(self) -> None:
         self.admission.drain(self.drain_timeout_s)
         self.should_exit = True  # uvicorn stops accepting, then waits for the handlers
+
+    def lose(self, reason: str) -> None:
+        """A rank of a sharded server is lost (any thread): every open request fails, then exit."""
+        self.lost = reason
+        loop = getattr(self, "loop", None)
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._lose, reason)
+        else:
+            self.should_exit = True
+
+    def _lose(self, reason: str) -> None:
+        self.admission.fail_all(reason)
+        self.should_exit = True
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
@@ -132,6 +146,7 @@ def start_server(
     allowed_origins: list[str] | None = None,
     background: bool = True,
     generator_class: type[ServingResponseGenerator] = ServingResponseGenerator,
+    generator_options: dict[str, Any] | None = None,
 ) -> RunningServer:
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -142,19 +157,19 @@ def start_server(
     settings = mlx_settings(served, max_batch_size=max_batch_size)
     name = served_name(served.path, served_model_name)
     sock = _bind(host, port)
-    provider = MTPModelProvider(settings, served, names=(name, *names))
-    metrics = ServeMetrics(served.controller, served.method)
     capacity = max_batch_size + limits.max_queue
-    generator = generator_class(
-        provider, LRUPromptCache(settings.prompt_cache_size), metrics,
-        queue_size=capacity, prefill_chunk=limits.prefill_chunk_tokens,
+    generator = start_generator(
+        served, max_batch_size=max_batch_size, limits=limits, names=(name, *names),
+        generator_class=generator_class, **(generator_options or {}),
     )
+    metrics = generator.metrics
     state = ServeState(
         generator=generator, metrics=metrics, admission=Admission(generator, metrics, capacity),
         limits=limits, served=served, names=list(dict.fromkeys((name, *names))),
         vocab=vocabulary_size(served.model) or 1 << 31,
         defaults=Defaults(max_tokens=min(settings.max_tokens, limits.max_tokens_limit),
                           num_draft_tokens=served.num_draft_tokens),
+        ranks=generator.ranks,
     )
     app = build_app(state, api_key=api_key, allowed_origins=allowed_origins)
     protocol = type("Protocol", (HeadTimeoutProtocol,), {"head_timeout_s": limits.head_timeout_s})
@@ -175,6 +190,25 @@ def start_server(
         while not server.started and thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.01)
     return RunningServer(server, generator, sock, thread, state)
+
+
+def start_generator(
+    served: ServedModel,
+    *,
+    max_batch_size: int,
+    limits: ServeLimits,
+    names: tuple[str, ...] = (),
+    generator_class: type[ServingResponseGenerator] = ServingResponseGenerator,
+    **options: Any,
+) -> ServingResponseGenerator:
+    """The generation side alone (its thread started): what a follower rank runs."""
+    settings = mlx_settings(served, max_batch_size=max_batch_size)
+    provider = MTPModelProvider(settings, served, names=names)
+    metrics = ServeMetrics(served.controller, served.method)
+    return generator_class(
+        provider, LRUPromptCache(settings.prompt_cache_size), metrics,
+        queue_size=max_batch_size + limits.max_queue, prefill_chunk=limits.prefill_chunk_tokens, **options,
+    )
 
 
 def _bind(host: str, port: int) -> socket.socket:

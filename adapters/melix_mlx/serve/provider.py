@@ -81,10 +81,13 @@ def load_served_model(
     profile: str | None = None,
     kv: dict[str, int] | None = None,
     chunked_prefill: bool = False,
+    sharding: str | None = None,
 ) -> ServedModel:
     """The served model for these settings (the `melix-fsm receipt` options; see the rules).
 
     `kv` holds mlx-lm's quantized-KV keyword arguments (melix_fsm.commands.options.kv_arguments).
+    `sharding` (under mlx.launch): the model is sharded over the ranks (melix_mlx.distributed);
+    what mlx-lm cannot shard is refused (`unsupported_sharding`) before a weight is read.
     Raises ServeRefused (typed) or ServeError (usage) before the server listens.
     """
     from melix_fsm.config import speculative_config
@@ -125,7 +128,7 @@ def load_served_model(
             raise ServeRefused(blocked.reason, blocked.message, json.loads(receipt_json(receipt)))
     try:
         # the one start-up sequence `generate` runs too: receipt, load, device policy
-        boot = start(path, config, context, batch_size=1)
+        boot = start(path, config, context, batch_size=1, sharding=sharding)
     except StartRefused as exc:
         if exc.usage:
             raise ServeError(f"{path}: {exc.message}") from exc
@@ -142,6 +145,7 @@ def load_served_model(
         "profile": profile,
         "kv": dict(kv) if kv else None,
         "chunked_prefill": chunked_prefill,
+        "sharding": sharding,
     }
     return ServedModel(
         path=path,

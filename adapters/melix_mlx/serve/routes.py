@@ -13,7 +13,9 @@ Rules of this module:
 - A client that disconnects cancels its request in any state (a watcher task reads
   the ASGI disconnect); a request past its deadline is cancelled (504, or an error
   event); a drain ends queued requests with 503 and, at its timeout, started ones with
-  503 or, streamed, a last chunk with finish_reason "abort", an error event and [DONE].
+  503 or, streamed, a last chunk with finish_reason "abort", an error event and [DONE];
+  so does a lost rank of a sharded server (`rank_lost`). A sharded server refuses `seed`
+  (400): mlx-lm serves a seeded request alone, outside the batch the ranks share.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class ServeState:
     vocab: int
     defaults: Defaults
     created: int = field(default_factory=lambda: int(time.time()))
+    ranks: int = 1  # processes the model is sharded over (melix_mlx.serve.ranks)
 
 
 async def read_json(request: Request, limit: int, timeout_s: float) -> Any:
@@ -154,6 +157,9 @@ async def complete(state: ServeState, request: Request, chat: bool) -> Response:
     parsed: Parsed = parse(
         body, chat, limits=state.limits, vocab=state.vocab, names=state.names, defaults=state.defaults
     )
+    if state.ranks > 1 and parsed.args.seed is not None:  # mlx-lm decodes it alone, unshared
+        raise ApiError(400, "a sharded server does not take seed (a seeded request leaves the batch)",
+                       param="seed", code="unsupported_under_sharding")
     sub = Submission(parsed, asyncio.get_running_loop(), state.limits.request_timeout_s)
     state.admission.admit(sub)
     watcher = asyncio.create_task(watch_disconnect(request, sub, state.admission))

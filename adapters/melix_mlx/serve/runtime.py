@@ -47,6 +47,7 @@ import contextlib
 import logging
 import threading
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from queue import Queue
 from typing import Any
@@ -143,6 +144,12 @@ class ServingBatchGenerator(MTPBatchGenerator):
         self._pending = pending  # the context mlx-lm built for the next insert
         self.metrics = metrics
         self._failed: dict[int, BaseException] = {}
+        # sharded serving (melix_mlx.serve.ranks): the cancellations every rank has agreed
+        # on (None: read each context's own flag), a batched step's error ends the server,
+        # and each finished step tells the rank's watchdog that its collectives returned
+        self.committed: set[int] | None = None
+        self.fatal_errors = False
+        self.heartbeat: Callable[[], None] | None = None
 
     def insert_segments(self, segments: list, *args: Any, **kwargs: Any) -> list[int]:
         first = self.next_uid
@@ -184,16 +191,21 @@ class ServingBatchGenerator(MTPBatchGenerator):
         for uid in uids:
             self.contexts.pop(uid, None)
             self._boundaries.pop(uid, None)
+            if self.committed is not None:
+                self.committed.discard(uid)
         self.metrics.observe_rows(self.batch.rows)
         return out
 
     def _drop_cancelled(self) -> list[PromptProcessingBatch.Response]:
         """Requests stopped while waiting for a row leave the queue (see the module rules)."""
         contexts = self.contexts.items()
-        waiting = [u for u, ctx in contexts if getattr(ctx, "cancelled", False) and u not in self.batch]
+        waiting = [u for u, ctx in contexts if self._stopped(u, ctx) and u not in self.batch]
         if waiting:
             self.remove(waiting)
         return [PromptProcessingBatch.Response(uid, (0, 0), False, False) for uid in waiting]
+
+    def _stopped(self, uid: int, ctx: Any) -> bool:
+        return uid in self.committed if self.committed is not None else getattr(ctx, "cancelled", False)
 
     def _segment_ends(self, responses: list) -> list:
         """Chunk ends are progress, not segment ends: only real ones store a prefix."""
@@ -212,6 +224,8 @@ class ServingBatchGenerator(MTPBatchGenerator):
             prompt_responses, generation = super().next()
             prompt_responses = dropped + self._segment_ends(prompt_responses)
         except Exception as exc:  # the batched step itself failed: its rows end with it
+            if self.fatal_errors:  # sharded: a peer may be gone; the ranks can no longer agree
+                raise
             prompt_responses, generation = dropped, []
             self._abandon_batch(exc)
         failed = self._failed
@@ -229,6 +243,8 @@ class ServingBatchGenerator(MTPBatchGenerator):
         self.metrics.observe_step(
             self.last_report, len(generation), self.prompt_tokens - prompt_before, self.batch.rows
         )
+        if self.heartbeat is not None:
+            self.heartbeat()
         return prompt_responses, generation
 
     def _abandon_batch(self, exc: BaseException) -> None:
@@ -252,6 +268,8 @@ class ServingBatchGenerator(MTPBatchGenerator):
 
 class ServingResponseGenerator(ResponseGenerator):
     """mlx-lm's ResponseGenerator with our batch generator and contexts; see the rules."""
+
+    ranks = 1  # the processes the model is sharded over (melix_mlx.serve.ranks)
 
     def __init__(
         self,
