@@ -9,8 +9,8 @@ The cell is `melix_mlx.bench.Bench.single_cell` (or `batch_cell` with --batch-si
 `melix-fsm bench` runs it (held-out prompts from the checkpoint's training report, cut
 short by default; the methods interleaved per repeat; the A/A control on; the ideal ratio
 from a calibration at the cell's batch size; auto beside forced-on), without the depth
-chooser and the draft-model cells: a realistic-size cell in minutes. Re-executes itself in the regime (the BLAS must be loaded
-before mlx). Prints the cell as one JSON object.
+chooser and the draft-model cells: a realistic-size cell in minutes. Re-executes itself
+in the regime (the BLAS must be loaded before mlx). Prints the cell as one JSON object.
 """
 
 from __future__ import annotations
