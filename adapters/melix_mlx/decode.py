@@ -267,6 +267,7 @@ class MTPDecoder:
                 if outcome is None:
                     continue  # faulted: the next step decodes y plainly
                 out = self._settled(outcome)[: self._remaining]
+                self.steps.record_ahead_fault()
                 if self._history is not None:
                     self._history.extend([t for t, _, _ in out])
                 produced += len(out)

@@ -16,9 +16,10 @@ Rules of this module:
   nothing about it is kept beside it.
 - `step` settles one step: the one launched ahead, or one launched now. Step n + 1 is
   launched before step n syncs when `may_build_on` / `may_launch_cycle_ahead` and the
-  client allow; a fault met while building it is recorded after step n's events (the
-  lifecycle sees events in step order). A cycle that faults (building or settling) faults
-  the rows that speculated in it; they continue plainly and no token was emitted by it.
+  client allow; a fault met while building it is recorded after step n's events and
+  emission (`record_ahead_fault`: the lifecycle sees events in step order). A cycle that
+  faults (building or settling) faults the rows that speculated in it; they continue
+  plainly and no token was emitted by it.
 - A step launched ahead is kept only while it fits the plans the rows would get now
   (`check_ahead`, melix_mlx.step_rules.ahead_fits); otherwise it is undone.
 - The controller's verdict becomes suspend / resume events (`reconcile`); a row whose
@@ -115,7 +116,6 @@ class StepPipeline:
             raise
         if outcome is not None:
             self.rows.apply_signals(Operation.step, dict(outcome.signals))
-        self._fault_ahead()
         return outcome
 
     def launch(self, plans: list[RowPlan]) -> Flight | PlainStep | None:
@@ -193,8 +193,10 @@ class StepPipeline:
         }
         return StepOutcome(list(step.uids), list(step.plans), settled, signals)
 
-    def _fault_ahead(self) -> None:
-        """Record a fault met while launching a step ahead, for the rows still decoding."""
+    def record_ahead_fault(self) -> None:
+        """Record a fault met while launching a step ahead, for the rows still decoding.
+        The client calls it once the step before is done with (its tokens emitted, its
+        rows left): the lifecycle sees events in step order."""
         if self._ahead_fault is None:
             return
         fault, rows = self._ahead_fault
