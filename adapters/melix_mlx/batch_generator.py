@@ -74,9 +74,9 @@ from .batch_admission import BatchAdmission
 from .batch_prompts import MAX_PADDING
 from .batch_rows import InsertRequest, MTPResponse, RowState
 from .batch_surface import BatchSurface, RequestFailed
-from .engine import CycleEngine, run_ahead_default
+from .engine import CycleEngine
 from .engine_records import RowPlan, Settled
-from .step_driver import StepPipeline
+from .step_driver import StepPipeline, run_ahead_default
 
 __all__ = ["OBJECTIVES", "InsertRequest", "MTPBatchGenerator", "MTPResponse", "RequestFailed", "RowState"]
 
@@ -142,7 +142,7 @@ class MTPBatchGenerator(BatchAdmission, BatchSurface):
         self._counters = BatchCounters()
         self.row_forwards = 0  # target forwards counted once per row they served
         self.objective = objective
-        # build step n + 1 before step n syncs (melix_mlx.engine.run_ahead_default: on a GPU)
+        # build step n + 1 before step n syncs (melix_mlx.step_driver.run_ahead_default: on a GPU)
         run_ahead = run_ahead_default() if run_ahead is None else run_ahead
         self.steps = StepPipeline(self.engine, self, controller, run_ahead)
         self.last_report = StepReport()

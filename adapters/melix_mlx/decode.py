@@ -1,19 +1,25 @@
-"""Single-sequence MTP speculative decoding: the cycle engine at B = 1, pipelined.
-(Over 400 lines: the one-sequence loop with its run-ahead, quantized-KV boundary and cache
-form read together; the rules of a step it shares with the batch live in step_rules.py.)
+"""Single-sequence MTP speculative decoding: the B = 1 client of the step pipeline.
+
+`MTPDecoder` admits one sequence (prefill, first token, head primed) and emits its
+tokens; every step is melix_mlx.step_driver.StepPipeline's, the one the batched
+generator drives (as mlx-lm's single-sequence functions sit over its batch objects).
+What only one sequence has stays here: the quantized-KV boundary, mlx-lm's
+single-sequence cache form, an unbounded run (`max_tokens < 0`).
 
 Rules of this module:
 - Output identity: greedy output equals mlx-lm's `generate_step` token for token, and
   sampled output has mlx-lm's sampling distribution (melix_mlx.sampling). The target
   model decides every emitted token; drafts only decide how many come per forward.
 - The cycle itself (drafts, verify, acceptance on the device, head catch-up, rollback
-  without replay) is melix_mlx.engine's, shared with the batched generator.
+  without replay) is melix_mlx.engine's, and the step around it (plan, launch, run
+  ahead, validate, settle, lifecycle events, policy feedback) melix_mlx.step_driver's,
+  both shared with the batched generator.
 - Host work overlaps device work as in mlx-lm's `generate_step`: each step (a cycle or a
   plain forward) is launched with `mx.async_eval` BEFORE the previous step's tokens are
   yielded, so the caller's detokenizing and this module's bookkeeping run while the
   device computes. After a plain step the next step is built on its lazy token before
   it is synced, exactly as `generate_step` pipelines. After a cycle that happens with
-  `run_ahead` (default on a GPU: melix_mlx.engine.run_ahead_default), and needs a
+  `run_ahead` (default on a GPU: melix_mlx.step_driver.run_ahead_default), and needs a
   rollback that runs in the graph: the sequence then decodes on
   one-row batch caches (mlx-lm's own `merge`, melix_mlx.ragged_kv) and is handed back in
   mlx-lm's single-sequence form when the generator ends. Logits processors (the host's
@@ -58,13 +64,13 @@ from melix_fsm.lifecycle import SequenceMachine
 from melix_fsm.reasons import RefusalReason, reason_of, refusal_text
 
 from . import head_receipt, ragged_kv, rollback, step_rules, window_kv
-from .engine import CycleEngine, run_ahead_default
+from .engine import CycleEngine
 from .engine_records import RowHead, RowPlan
 from .errors import check_kv_group
 from .hidden import main_parts
 from .prefill import check_prompt, prefill_with_hidden
 from .sampling import UNKNOWN_SAMPLER, SamplingParams, normalize_logits, params_of
-from .step_driver import StepOutcome, StepPipeline
+from .step_driver import StepOutcome, StepPipeline, run_ahead_default
 from .token_history import TokenHistory
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -123,7 +129,7 @@ class MTPDecoder:
         self._single_form: list[Any] | None = None  # the caller's cache list while rows run batch-form
         self._remaining = 0  # tokens the run still wants before the next step to settle
         self._budget: int | None = None  # the same, for the controller (None: no cap)
-        # build step n + 1 before step n syncs (melix_mlx.engine.run_ahead_default: on a GPU)
+        # build step n + 1 before step n syncs (melix_mlx.step_driver.run_ahead_default: on a GPU)
         run_ahead = run_ahead_default() if run_ahead is None else run_ahead
         # controller: a melix_fsm.policy.controller.LiveController, or None: always on
         self.steps = StepPipeline(self.engine, self, controller, run_ahead)

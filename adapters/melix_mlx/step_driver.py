@@ -46,6 +46,19 @@ from .engine_records import Flight, PlainStep, RowPlan, Settled, SpeculativeFaul
 Signals = dict[Any, Signal | list[Signal]]
 
 
+def run_ahead_default() -> bool:
+    """Whether decoders build step n + 1 before syncing step n, unless told otherwise.
+
+    On a GPU the host builds while the device computes. On a CPU, mlx's evaluation keeps
+    the host thread dispatching until at most ~100 kernels are left (MAX_ACTIVE_TASKS = 10
+    tasks of DISPATCHES_PER_TASK = 10, compile-time constants of mlx), and the building
+    competes with the compute for the same cores: measured slower on this project's CPU
+    benchmarks (BENCHMARKS.md, "Run-ahead"), so it is off there. What that serial host
+    time costs mlx-lm's own loop: benchmarks/bench_cpu_dispatch.py ("Ninth round").
+    """
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
 class StepRows(Protocol):
     """What a decoder's rows tell the step pipeline."""
 
