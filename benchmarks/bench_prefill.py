@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import melix_mlx.batch_generator as batch_generator
+import melix_mlx.batch_admission as batch_admission  # where admission asks joins_fresh
 from melix_mlx.batch_generator import MTPBatchGenerator
 from melix_mlx.checkpoints import resolve_model
 from melix_mlx.loading import load_with_heads
@@ -56,10 +56,10 @@ def main() -> None:
     model_dir = resolve_model(args.model)
     model, tokenizer, head, _ = load_with_heads(model_dir)
     texts = [p.text for p in held_out_prompts(model_dir)]
-    joins_fresh = batch_generator.joins_fresh
+    joins_fresh = batch_admission.joins_fresh
 
     def alone(B: int) -> MTPBatchGenerator:
-        batch_generator.joins_fresh = lambda request: False
+        batch_admission.joins_fresh = lambda request: False
         return MTPBatchGenerator(model, head, completion_batch_size=B, prefill_batch_size=B)
 
     makers: dict[str, Callable[[int], Any]] = {
@@ -81,7 +81,7 @@ def main() -> None:
             tokens = {}
             for name in order:
                 seconds, tokens[name] = first_tokens(makers[name](B), prompts)
-                batch_generator.joins_fresh = joins_fresh
+                batch_admission.joins_fresh = joins_fresh
                 if r:
                     times[name].append(seconds)
             if tokens["together"] != tokens["mlx-lm"] or tokens["alone"] != tokens["mlx-lm"]:

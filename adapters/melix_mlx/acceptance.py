@@ -7,12 +7,14 @@ Rules of this module:
   bonus from p. This is what makes the emitted tokens follow the target distribution.
 - Lazy and sync-free: it builds graph nodes the engine evaluates with the rest of the cycle.
 - Greedy acceptance (an argmax compare over the whole batch) lives in the engine's graph.
+- A row that ends within a cycle keeps at most `RowPlan.keep` drafts (`cap_accepted`).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from .engine_records import RowPlan
 from .sampling import SamplingParams, probabilities
 
 
@@ -42,3 +44,23 @@ def accept_sampled(
     # p == q makes the residual empty (rejection had probability 0): guard round-off with p
     dist = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p_a)
     return accepted, mx.random.categorical(mx.log(dist))
+
+
+def cap_accepted(
+    plans: list[RowPlan], ks: list[int], K: int, drafts: mx.array, accepted: mx.array, bonus: mx.array
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Accepted drafts that are emitted [B], drafts kept [B] and the token after them
+    [B], for rows whose plan caps the drafts they keep (RowPlan.keep).
+
+    An accepted draft past a row's cap is the target's own token there (its argmax, or
+    a sample the speculative rule accepted), so it becomes the row's last token: the
+    row emits at most cap + 1 drafts, and only those count as accepted.
+    """
+    caps = [k if p.keep is None else min(p.keep, k) for p, k in zip(plans, ks)]
+    if caps == list(ks):
+        return accepted, accepted, bonus
+    cap = mx.array(caps)
+    over = accepted > cap
+    at_cap = mx.take_along_axis(drafts, mx.minimum(cap, K - 1)[:, None], axis=1)[:, 0]
+    emitted = mx.minimum(accepted, cap + 1)
+    return emitted, mx.where(over, cap, accepted), mx.where(over, at_cap.astype(bonus.dtype), bonus)

@@ -1,7 +1,9 @@
 """Batched MTP: a drop-in for mlx-lm's `BatchGenerator` where every row drafts and verifies.
-(Over 400 lines: admission, the step, its run-ahead and emission share the Batch and the
-engine; prompt processing, the server-facing surface, row records and the cycle itself
-live in batch_prompts.py, batch_surface.py, batch_rows.py and engine.py.)
+This module is its generation half: each `next()` runs one step of the step pipeline
+(melix_mlx.step_driver, the same one the single-sequence decoder drives) over the rows
+and emits its tokens. Admission lives in batch_admission.py (prompt processing in
+batch_prompts.py), the server-facing surface in batch_surface.py, row records in
+batch_rows.py, the cycle itself in engine.py.
 
 Rules of this module:
 - Same surface as `mlx_lm.generate.BatchGenerator` (0.32): `insert`, `insert_segments`,
@@ -16,8 +18,9 @@ Rules of this module:
   appended with `extend`; leaving rows go with one `filter`. A row's
   speculative state (pending head pairs, draft count, sampler, counters, lifecycle
   machine) lives in its Batch row and travels through both reshapes untouched.
-- One step is one cycle of melix_mlx.engine (the same code the single-sequence decoder
-  runs): k - 1 chained head forwards, one batched verify with acceptance on the device,
+- One step is one cycle of melix_mlx.engine, planned, launched (ahead where it may be),
+  settled and steered by melix_mlx.step_driver.StepPipeline, as for one sequence:
+  k - 1 chained head forwards, one batched verify with acceptance on the device,
   one head catch-up that also drafts the next cycle, one host sync, per-row rollback
   with no replay. Rows that do not speculate (refused, suspended, faulted) ride in the
   same verify as plain decode (their draft slots are padding, rolled back); when no row
@@ -46,23 +49,16 @@ Rules of this module:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import (
-    PromptProcessingBatch,
-    StopSequences,
-    _extend_cache,
-    _merge_caches,
-)
-from mlx_lm.generate_utils import BatchCounters, BatchCountersSnapshot, BatchStats
+from mlx_lm.generate import PromptProcessingBatch, StopSequences
+from mlx_lm.generate_utils import BatchCounters
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
@@ -73,18 +69,21 @@ from melix_fsm.policy.controller import LiveController
 from melix_fsm.reasons import RefusalReason, reason_of, refusal_text
 from melix_fsm.report import RowReport, StepReport
 
-from . import head_receipt, ragged_kv, rollback, step_rules
-from .batch_prompts import MAX_PADDING, PreparedRow, join_groups, joins_fresh, prepare_row, prepare_rows
+from . import head_receipt, rollback, step_rules
+from .batch_admission import BatchAdmission
+from .batch_prompts import MAX_PADDING
 from .batch_rows import InsertRequest, MTPResponse, RowState
-from .batch_surface import BatchSurface
-from .engine import CycleEngine, run_ahead_default
-from .engine_records import Flight, PlainStep, RowPlan, Settled, SpeculativeFault
-from .prefill import check_prompt
+from .batch_surface import BatchSurface, RequestFailed
+from .engine import CycleEngine
+from .engine_records import RowPlan, Settled
+from .step_driver import StepPipeline, run_ahead_default
+
+__all__ = ["OBJECTIVES", "InsertRequest", "MTPBatchGenerator", "MTPResponse", "RequestFailed", "RowState"]
 
 OBJECTIVES = ("auto", "throughput", "drain")  # what a step is worth to the live policy
 
 
-class MTPBatchGenerator(BatchSurface):
+class MTPBatchGenerator(BatchAdmission, BatchSurface):
     """Continuous batching with MTP speculation in every row; see the module rules."""
 
     def __init__(
@@ -142,159 +141,34 @@ class MTPBatchGenerator(BatchSurface):
         self._uid_count = 0
         self._counters = BatchCounters()
         self.row_forwards = 0  # target forwards counted once per row they served
-        self.controller = controller
         self.objective = objective
-        # build step n + 1 before step n syncs (melix_mlx.engine.run_ahead_default: on a GPU)
-        self.run_ahead = run_ahead_default() if run_ahead is None else run_ahead
+        # build step n + 1 before step n syncs (melix_mlx.step_driver.run_ahead_default: on a GPU)
+        run_ahead = run_ahead_default() if run_ahead is None else run_ahead
+        self.steps = StepPipeline(self.engine, self, controller, run_ahead)
         self.last_report = StepReport()
         self._events: dict[Any, list[Signal]] = {}
         self._emitted: dict[Any, list[int]] = {}
         self._joined: list[Any] = []
         self._left: list[Any] = []
-        self._first_logprobs: dict[int, mx.array] = {}
-        # the next step, launched before it was due (it carries its plans and rows' uids)
-        self._ahead: Flight | PlainStep | None = None
-        self._ahead_fault: tuple[SpeculativeFault, list[tuple[Any, int]]] | None = None
-        self._last_step_end: float | None = None
         self._admitted_since = False
         self._retired_counters: dict[Any, Any] = {}
         self._init_surface()
 
-    # -- mlx-lm surface --------------------------------------------------------------
     @property
-    def cache(self) -> list[Any]:
-        return self.engine.cache
-
-    @property
-    def head_cache(self) -> list[Any]:
-        return self.engine.head_cache
+    def controller(self) -> LiveController | None:
+        return self.steps.controller
 
     @property
-    def target_forwards(self) -> int:
-        return self.engine.target_forwards
+    def run_ahead(self) -> bool:
+        return self.steps.run_ahead
 
-    @property
-    def replay_forwards(self) -> int:
-        return self.engine.replay_forwards
-
-    @property
-    def head_forwards(self) -> int:
-        return self.engine.head_forwards
-
-    @property
-    def stream(self) -> Any:
-        return self._stream
-
-    @contextlib.contextmanager
-    def stats(self) -> Iterator[BatchStats]:
-        stats = BatchStats()
-        start = BatchCountersSnapshot(**asdict(self._counters))
-        try:
-            yield stats
-        finally:
-            end = BatchCountersSnapshot(**asdict(self._counters))
-            stats += BatchCountersSnapshot.between(start, end)
-
-    # -- hooks for a server wrapping the generator (melix_mlx.serve.runtime) ---------------
-    @property
-    def next_uid(self) -> int:
-        """The uid the next inserted request gets."""
-        return self._uid_count
-
-    def reserve_uid(self) -> int:
-        """A uid for a request that never joins (its insert failed): uids stay unique."""
-        uid = self._uid_count
-        self._uid_count += 1
-        return uid
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Prompt tokens processed since the generator was built (mlx-lm's counter)."""
-        return self._counters.prompt_tokens
-
-    def end_all(self, reason: str) -> list[Any]:
-        """Finish every row at once, e.g. when the batched step itself failed: a step in
-        flight is undone first, each row gets its finish event (with `reason`), the batch
-        empties. Returns the uids that left."""
-        uids = list(self.batch.uids)
-        if self._ahead is not None:
-            with contextlib.suppress(RuntimeError):  # a plain step across a reshape only settles
-                self.engine.abandon(self._ahead)
-            self._ahead = None
-        with contextlib.suppress(Exception):  # rows may be mid-cycle: they leave regardless
-            ended = Signal(event=lc.FINISH.event, reason=reason)
-            self._apply_signals(Operation.finish, {uid: ended for uid in uids})
-        self._filter([])
-        return uids
-
-    def speculative_stats(self) -> dict[str, Any]:
-        """Batch totals of the lifecycle counters (retired rows included) and forward counts."""
-        out = self.batch.totals().summary()
-        out.update(
-            target_forwards=self.target_forwards,
-            replay_forwards=self.replay_forwards,
-            row_forwards=self.row_forwards,
-            head_forwards=self.head_forwards,
-            abandoned_steps=self.engine.abandoned_steps,
-            refusal=self.refusal,
-            policy=self.controller.summary() if self.controller is not None else None,
-        )
-        return out
-
-    def insert(
-        self,
-        prompts: list[list[int]],
-        max_tokens: list[int] | None = None,
-        caches: list[list[Any]] | None = None,
-        all_tokens: list[list[int]] | None = None,
-        samplers: list[Any] | None = None,
-        logits_processors: list[list[Any]] | None = None,
-        stop_sequences: list[StopSequences] | None = None,
-        num_draft_tokens: list[int] | None = None,
-    ) -> list[int]:
-        n = len(prompts)
-        options = {
-            "max_tokens": max_tokens or [self.max_tokens] * n,
-            "caches": caches or [None] * n,
-            "all_tokens": all_tokens or [[] for _ in range(n)],
-            "samplers": [s or self.sampler for s in (samplers or [None] * n)],
-            "logits_processors": [
-                tuple(lp) if lp else () for lp in (logits_processors or [self.logits_processors] * n)
-            ],
-            "stop_sequences": stop_sequences or [self._default_stop] * n,
-            "num_draft_tokens": num_draft_tokens or [self.num_draft_tokens] * n,
-        }
-        for name, values in options.items():
-            if len(values) != n:
-                raise ValueError(f"option {name} needs one entry per prompt: {n} != {len(values)}")
-        requests = []
-        for i, prompt in enumerate(prompts):
-            uid = self._uid_count + i
-            check_prompt(self.model, list(prompt), f"sequence {uid}'s prompt")  # InvalidPrompt
-            if options["max_tokens"][i] <= 0:
-                raise ValueError(f"sequence {uid}'s max_tokens must be > 0")
-            if options["num_draft_tokens"][i] < 1:
-                raise ValueError(f"sequence {uid}'s num_draft_tokens must be >= 1")
-            requests.append(
-                InsertRequest(
-                    uid,
-                    list(prompt),
-                    options["max_tokens"][i],
-                    options["caches"][i],
-                    list(options["all_tokens"][i]),
-                    options["samplers"][i],
-                    options["logits_processors"][i],
-                    options["stop_sequences"][i],
-                    options["num_draft_tokens"][i],
-                )
-            )
-        self._queue.extend(requests)
-        self._uid_count += n
-        return [r.uid for r in requests]
+    @run_ahead.setter
+    def run_ahead(self, value: bool) -> None:
+        self.steps.run_ahead = value
 
     def remove(self, uids: Sequence[int], return_prompt_caches: bool = False) -> dict[int, Any]:
         wanted = set(uids)
-        self._drop_cycle_ahead()
+        self.steps.drop_cycle_ahead()
         caches = self.extract_cache(wanted) if return_prompt_caches else {}
         self._queue = deque(r for r in self._queue if r.uid not in wanted)
         leaving = [uid for uid in self.batch.uids if uid in wanted]
@@ -304,50 +178,23 @@ class MTPBatchGenerator(BatchSurface):
             self._filter([i for i, uid in enumerate(self.batch.uids) if uid not in wanted])
         return caches
 
-    def extract_cache(self, uids: Any) -> dict[int, tuple[list[Any], list[int]]]:
-        out = {}
-        for r in self._queue:
-            if r.uid in uids:
-                out[r.uid] = self._queued_cache(r)
-        self._drop_cycle_ahead()  # its rollback is not settled: the caches are read after it
-        ahead = self._ahead is not None  # a plain step running ahead already fed each row's y
-        for i, row in enumerate(self.batch):
-            if row.uid in uids:
-                tokens = list(row.payload.context) + ([row.payload.y] if ahead else [])
-                out[row.uid] = ([c.extract(i) for c in self.cache], tokens)
-        return out
-
     def next(self) -> tuple[list[PromptProcessingBatch.Response], list[MTPResponse]]:
         with mx.stream(self._stream):
             stepped = self.batch.uids
             self._events, self._emitted, self._joined, self._left = {}, {}, [], []
             self._retired_counters = {}  # counters of rows leaving in this call, for the report
-            generation: list[MTPResponse] = []
-            if len(self.batch):
-                tic = time.perf_counter()
-                size = len(self.batch)
-                draining = self.controller is not None and self._draining()
-                budget = self._longest_budget() if draining else 0  # only a controller reads it
-                generation = self._step()
-                # the live policy sees each step's period (a plain step runs between calls)
-                end = time.perf_counter()
-                seconds = None if self._last_step_end is None else end - self._last_step_end
-                self._last_step_end = end
-                left = self._longest_budget() if draining else None  # no end in sight while refilled
-                worth = size * (budget - left) if left is not None else len(generation)
-                self._apply_policy(size, seconds, worth, exclude=self._admitted_since, remaining=left)
-                self._admitted_since = False
-                self._counters.decode_time += time.perf_counter() - tic
-                self._counters.generation_tokens += len(generation)
-                self._counters.generation_steps += 1
-            self._check_ahead()
+            generation = self._generate() if len(self.batch) else []
+            self.steps.check_ahead()
             prompt_responses = self._prefill_segments()
             prompt_responses += self._admit(generation)
             if prompt_responses and self.engine.clock is not None:
                 self.engine.clock.interrupt()  # a prefill ran: not bookkeeping of the cycle
             if self._joined:
                 self._admitted_since = True  # the next period includes this prefill
-            self._launch_next()
+            if len(self.batch) and not self._admission_due():
+                # the device computes the next step while the caller handles these responses;
+                # a cycle waits for the next call without run-ahead (no gain on a CPU: BENCHMARKS.md)
+                self.steps.launch_next(cycle_waits=not self.run_ahead)
             self.last_report = StepReport(
                 rows=[
                     RowReport(
@@ -365,6 +212,32 @@ class MTPBatchGenerator(BatchSurface):
             self._drain_failures((prompt_responses, generation))
             return prompt_responses, generation
 
+    def _generate(self) -> list[MTPResponse]:
+        """One step of the rows, its tokens emitted, the live policy fed its period and worth."""
+        tic = time.perf_counter()
+        size = len(self.batch)
+        draining = self.controller is not None and self._draining()
+        budget = self._longest_budget() if draining else 0  # only a controller reads it
+        generation = self._step()
+        # the live policy sees each step's period (a plain step runs between calls)
+        seconds = self.steps.step_seconds()
+        left = self._longest_budget() if draining else None  # no end in sight while refilled
+        worth = size * (budget - left) if left is not None else len(generation)
+        events = self._events.values()  # every row's events of this call (the step's verify outcome)
+        exclude, self._admitted_since = self._admitted_since, False  # a prefill ran in the period
+        self.steps.feed(size, events, seconds=seconds, tokens=worth, remaining=left, exclude=exclude)
+        self._counters.decode_time += time.perf_counter() - tic
+        self._counters.generation_tokens += len(generation)
+        self._counters.generation_steps += 1
+        return generation
+
+    def next_generated(self) -> list[MTPResponse]:
+        while True:
+            prompt_responses, generation = self.next()
+            if not generation and prompt_responses:
+                continue
+            return generation
+
     def _draining(self) -> bool:
         """Is this step judged by the batch's progress to its end (`objective`)?"""
         if self.objective == "auto":
@@ -375,235 +248,32 @@ class MTPBatchGenerator(BatchSurface):
         """Tokens the batch's longest row may still generate (0 once every row has left)."""
         return max((row.payload.max_tokens - row.payload.num_generated for row in self.batch.rows), default=0)
 
-    def _record(self, uid: Any, signal: Signal) -> None:
-        self._events.setdefault(uid, []).append(signal)
-
     def _counters_of(self, uid: Any) -> Any:
         """A snapshot of the row's counters: a report is plain data, not a live view."""
         counters = self.batch.row(uid).counters if uid in self.batch else self._retired_counters.get(uid)
         return counters.copy() if counters is not None else None
 
-    def _launch_next(self) -> None:
-        """Start the next step now, as mlx-lm's generator does for its plain steps.
-
-        The device computes it while the caller handles this call's responses; the next
-        `next()` syncs it. Not while a queued request has a free row to join (admission
-        reshapes the batch first); a queue waiting for a row does not stop it, as it does
-        not stop mlx-lm's. `remove`, `extract_cache` and `close` undo a cycle launched this way.
-        """
-        if not len(self.batch) or self._admission_due() or self._ahead is not None:
-            return
-        self._reconcile()  # nothing runs ahead now: a resume put off for a plain step applies
-        rows = self.batch.rows
-        plans = self._plans(rows, [row.payload for row in rows])
-        if any(p.k for p in plans) and not self.run_ahead:
-            return  # a cycle waits for the next call (measured no gain on a CPU: BENCHMARKS.md)
-        step = self._launch(rows, plans)
-        if step is not None:
-            self._keep_ahead(step)
-
     def _admission_due(self) -> bool:
         """A queued request has a free row to join at the end of this call."""
         return bool(self._queue) and len(self.batch) < self.completion_batch_size
 
-    def _launch_ahead(self, rows: tuple[Row, ...], plans: list[RowPlan]) -> None:
-        """Launch step n + 1 before step n settles. A fault while building it is recorded
-        once step n's events are (`_fault_ahead`): the lifecycle sees steps in order."""
-        try:
-            uids = [row.uid for row in rows]
-            launch = self.engine.launch if any(p.k for p in plans) else self.engine.plain
-            step = launch(plans, uids)
-        except SpeculativeFault as fault:
-            self._ahead_fault = (fault, [(row.uid, p.k) for row, p in zip(rows, plans) if p.k > 0])
-            return
-        self._keep_ahead(step)
+    # -- the rows, as the step pipeline's client (melix_mlx.step_driver.StepRows) ------
+    def step_uids(self) -> list[Any]:
+        return list(self.batch.uids)
 
-    def _keep_ahead(self, step: Flight | PlainStep) -> None:
-        if isinstance(step, PlainStep):
-            mx.async_eval(step.tokens)
-        self._ahead = step
+    def step_states(self) -> list[State]:
+        return [row.state for row in self.batch.rows]
 
-    def _fault_ahead(self) -> None:
-        """Record a fault met while launching a step ahead, for the rows still here."""
-        if self._ahead_fault is None:
-            return
-        fault, rows = self._ahead_fault
-        self._ahead_fault = None
-        here = [(uid, k) for uid, k in rows if uid in self.batch]
-        if here:
-            self._fault_rows([uid for uid, _ in here], [k for _, k in here], fault)
-
-    def _check_ahead(self) -> None:
-        """Keep the step launched ahead only if it still fits: the same rows, every row
-        speculating or not as the lifecycle and the policy now say (a suspended row never
-        drafts) and none deeper than now allowed. Otherwise it is undone and the step is
-        launched again when due."""
-        step = self._ahead
-        if step is None:
-            return
-        rows = self.batch.rows
-        fresh = self._plans(rows, [row.payload for row in rows]) if rows else []
-        same_rows = [row.uid for row in rows] == step.uids
-        resuming = [self._resuming(row) for row in rows]  # their plain step is kept (`_reconcile`)
-        if same_rows and step_rules.ahead_fits([p.k for p in step.plans], [p.k for p in fresh], resuming):
-            return
-        self.engine.abandon(step)
-        self._ahead = None
-        self._reconcile()  # a resume put off for the step just undone applies now
-
-    def _drop_cycle_ahead(self) -> None:
-        if isinstance(self._ahead, Flight):
-            self.engine.abandon(self._ahead)
-            self._ahead = None
-
-    def _apply_policy(
-        self,
-        size: int,
-        seconds: float | None,
-        tokens: int,
-        exclude: bool = False,
-        remaining: int | None = None,
-    ) -> None:
-        """Feed the controller this step's outcomes and wall time; its action becomes events.
-        remaining: the longest budget left in a draining batch (None: rows are refilled)."""
-        if self.controller is None:
-            return
-        step_rules.feed(
-            self.controller,
-            size,
-            self._events.values(),
-            seconds=seconds,
-            tokens=tokens,
-            remaining=remaining,
-            exclude=exclude,
-        )
-        self._reconcile()
-
-    def _reconcile(self, rows: Any = None) -> None:
-        """Bring the rows' lifecycle in line with the controller's verdict: suspend or resume.
-
-        The verdict, not the returned action, is the truth: a window the controller calls
-        plain is a suspended window for every row that could speculate.
-        """
-        if self.controller is None:
-            return
-        rows = self.batch.rows if rows is None else rows
-        # a plain step launched ahead belongs to the suspended window it was launched in: its
-        # rows settle it as a plain step and resume after it (their next step is planned as
-        # a cycle meanwhile), so the switch undoes nothing
-        ahead = set(self._ahead.uids) if isinstance(self._ahead, PlainStep) else set()
-        signal, picked = step_rules.steer(
-            self.controller, [r.state for r in rows], [r.uid in ahead for r in rows]
-        )
-        if picked:
-            self._apply_signals(Operation(signal.event.value), {rows[i].uid: signal for i in picked})
-
-    def _resuming(self, row: Row) -> bool:
-        """A suspended row the controller speculates for again: it resumes at the next
-        `_reconcile` with no plain step of it running ahead."""
-        speculating = self.controller is not None and self.controller.speculating
-        return speculating and row.state is State.suspended  # the state says it: no refusal string check
-
-    def next_generated(self) -> list[MTPResponse]:
-        while True:
-            prompt_responses, generation = self.next()
-            if not generation and prompt_responses:
-                continue
-            return generation
-
-    # -- admission -------------------------------------------------------------------
-    def _admit(self, out: list[MTPResponse]) -> list[PromptProcessingBatch.Response]:
-        if self._ahead is not None:
-            # a step runs ahead for the rows as they were (a row left on a stop token while
-            # it was built): it cannot be undone across that reshape, so rows join next call
-            return []
-        ready = self._pop_ready(min(self.prefill_batch_size, self.completion_batch_size - len(self.batch)))
-        joining = Batch()
-        caches, head_caches, heads, ys, responses = [], [], [], [], []
-        tic = time.perf_counter()
-        for request, prepared in self._prepare(ready):
-            row = prepared.state
-            self._first_logprobs[request.uid] = prepared.first_logprobs
-            joining.extend([request.uid], payloads=[row])
-            resolution = (
-                lc.ADMIT if row.refusal is None else Signal(event=lc.REFUSE.event, reason=row.refusal)
-            )
-            self._apply_signals(Operation.resolve, {request.uid: resolution}, joining)
-            self._joined.append(request.uid)
-            caches.append(prepared.cache)
-            head_caches.append(prepared.head_cache)
-            heads.append(prepared.head)
-            ys.append(row.y)
-            self._counters.prompt_tokens += len(request.prompt)
-            total = len(request.all_tokens) + len(request.prompt)
-            responses.append(PromptProcessingBatch.Response(request.uid, (total, total), True, True))
-        self._counters.prompt_time += time.perf_counter() - tic
-        if not ys:
-            return responses
-        engine = self.engine
-        engine.cache = _extend_cache(engine.cache, ragged_kv.adopt(_merge_caches(caches)))
-        if self.head is not None:
-            engine.head_cache = _extend_cache(engine.head_cache, ragged_kv.adopt(_merge_caches(head_caches)))
-        engine.extend(mx.array(ys, dtype=mx.uint32), heads)
-        first = len(self.batch)
-        self.batch.extend(joining)
-        self._reconcile(self.batch.rows[first:])  # joining rows follow the batch-wide verdict
-        # The first token of each joining row came from its prefill: emit it now (counted as
-        # generated, as mlx-lm's generator counts it).
-        self._counters.generation_tokens += len(self.batch) - first
-        finished = []
-        for row in self.batch.rows[first:]:
-            state: RowState = row.payload
-            reason = self._emit(row.uid, state, state.y, self._first_logprobs.pop(row.uid), False, out)
-            if reason:
-                finished.append(row.uid)
-        if finished:
-            self._finish(finished, out)
-        return responses
-
-    def _prepare(self, ready: list[InsertRequest]) -> list[tuple[InsertRequest, PreparedRow]]:
-        """Prefill the joining requests, in order: those with nothing cached together in
-        groups of similar length (`join_groups`; all in one group where caches are
-        windowed, as mlx-lm joins them), the rest alone. A request whose prefill
-        raises fails alone (melix_mlx.batch_surface): if a joint prefill raises, the
-        group's rows not yet ready are prefilled one by one (the same tokens either way),
-        so only the one that fails on its own leaves, and a row made ready before the
-        failure keeps its first token (its sampler is not run twice)."""
-        options: dict[str, Any] = dict(
-            refusal=self.refusal,
-            head_disabled=getattr(self.controller, "disabled", False),
-            max_kv_size=self.max_kv_size,
-            prefill_step_size=self.prefill_step_size,
-        )
-        done: dict[int, PreparedRow] = {}
-        for group in join_groups([r for r in ready if joins_fresh(r)], self._max_padding):
-            if len(group) > 1:
-                with contextlib.suppress(Exception):
-                    prepared = prepare_rows(self.model, self.head, self.engine, group, **options)
-                    for request, row in zip(group, prepared):
-                        done[request.uid] = row
-        out = []
-        for request in ready:
-            if request.uid not in done:
-                try:
-                    done[request.uid] = prepare_row(self.model, self.head, self.engine, request, **options)
-                except Exception as exc:  # that request only
-                    self._fail(request, exc)
-                    continue
-            out.append((request, done[request.uid]))
-        return out
-
-    # -- one decode step -------------------------------------------------------------
-    def _plans(
-        self, rows: tuple[Row, ...], states: list[RowState], before: list[RowPlan] | None = None
-    ) -> list[RowPlan]:
+    def plan_step(self, before: list[RowPlan] | None) -> list[RowPlan]:
         """Each row's plan for the next step; `before`: the plans of a step not yet settled
         (each row may still emit k + 1 tokens in it)."""
-        depth = getattr(self.controller, "k", None) if self.controller is not None else None
+        controller = self.controller
+        depth = getattr(controller, "k", None) if controller is not None else None
         plans = []
-        for i, (row, state) in enumerate(zip(rows, states)):
+        for i, row in enumerate(self.batch.rows):
+            state: RowState = row.payload
             k, remaining = 0, None
-            ready = row.state in lc.CYCLE_READY or self._resuming(row)
+            ready = row.state in lc.CYCLE_READY or self.steps.resuming(row.state)
             if ready and self.head is not None:  # a refused or faulted row is never cycle-ready
                 remaining = state.max_tokens - state.num_generated
                 if before is not None:  # the fewest that can remain after the step in flight
@@ -615,81 +285,40 @@ class MTPBatchGenerator(BatchSurface):
             plans.append(RowPlan(k, state.params, sampler, state.processors, history, remaining))
         return plans
 
+    def may_plan_ahead(self, plans: list[RowPlan]) -> bool:
+        """Not while a queued request has a free row (admission reshapes the batch), not
+        when a row may reach its length limit in the step (it leaves), not with logits
+        processors (they read the host's history). A row that leaves on a stop token
+        frees its row for the queue one call later (batch_admission)."""
+        if self._admission_due() or any(p.processors for p in plans):
+            return False
+        states = [row.payload for row in self.batch.rows]
+        return all(s.max_tokens - s.num_generated > p.k + 1 for s, p in zip(states, plans))
+
+    def apply_signals(self, operation: Operation, signals: dict[Any, Signal | list[Signal]]) -> None:
+        """The step pipeline's events; a fault's message is kept with the row (stats)."""
+        self._apply_signals(operation, signals)
+        if operation is Operation.fault:
+            for uid, signal in signals.items():
+                if isinstance(signal, Signal):
+                    self.batch.row(uid).payload.fault = signal.reason
+
+    # -- one decode step -------------------------------------------------------------
     def _step(self) -> list[MTPResponse]:
         rows = self.batch.rows
-        states: list[RowState] = [row.payload for row in rows]
-        step = self._ahead  # launched at the end of the previous call?
-        plans = step.plans if step is not None else []
-        self._ahead = None
-        if step is None:
-            self._reconcile()  # nothing runs ahead now: a resume put off for a plain step applies
-            plans = self._plans(rows, states)
-            step = self._launch(rows, plans)
-            if step is None:
-                return []
-        following = self._plans_ahead(states, plans)
-        if following is not None:  # step n + 1 is built before step n is synced
-            self._launch_ahead(rows, following)
-        if isinstance(step, Flight):
-            try:
-                settled = self.engine.settle(step)
-            except SpeculativeFault as fault:  # the rows continue plainly; no token was emitted
-                self._ahead = None  # undoing the cycle voided the step built on it
-                spec = [i for i, p in enumerate(plans) if p.k > 0]
-                self._fault_rows([rows[i].uid for i in spec], [plans[i].k for i in spec], fault)
-                return []
-        else:
-            B = len(rows)
-            tokens = self.engine.settle_plain(step)
-            settled = Settled([0] * B, [[t] for t in tokens], step.logprobs[:, None], [[]] * B, [0] * B)
+        outcome = self.steps.step()
+        if outcome is None:  # a cycle faulted: its rows continue plainly; no token was emitted
+            return []
         self.row_forwards += len(rows)
-        out = self._conclude(rows, states, plans, settled)
-        self._fault_ahead()
+        out = self._conclude(rows, [row.payload for row in rows], outcome.plans, outcome.settled)
+        self.steps.record_ahead_fault()
         return out
-
-    def _launch(self, rows: tuple[Row, ...], plans: list[RowPlan]) -> Flight | PlainStep | None:
-        """Launch this step; None when its cycle faulted while building (rows faulted)."""
-        uids = [row.uid for row in rows]
-        if not any(p.k for p in plans):
-            return self.engine.plain(plans, uids)
-        try:
-            return self.engine.launch(plans, uids)
-        except SpeculativeFault as fault:  # the rows continue plainly; no token was emitted
-            spec = [i for i, p in enumerate(plans) if p.k > 0]
-            self._fault_rows([rows[i].uid for i in spec], [plans[i].k for i in spec], fault)
-            return None
-
-    def _plans_ahead(self, states: list[RowState], plans: list[RowPlan]) -> list[RowPlan] | None:
-        """The plans of step n + 1 if it may be launched before step n settles, else None.
-
-        Not while a queued request has a free row (admission reshapes the batch), not when a
-        row may reach its length limit in step n (it leaves), not with logits processors
-        (they read the host's history). A row that leaves on a stop token in step n frees
-        its row for the queue one call later (`_admit`). Without `run_ahead` only a plain
-        step after a plain step (mlx-lm's own pipelining); with it, anything after a plain
-        step, and after a cycle where rollback runs in the graph, but no cycle while step
-        n's update may turn speculation off on schedule (`LiveController.plain_due`)."""
-        if self._admission_due() or any(p.processors for p in plans):
-            return None
-        if any(s.max_tokens - s.num_generated <= p.k + 1 for s, p in zip(states, plans)):
-            return None
-        cycle = any(p.k for p in plans)
-        if not step_rules.may_build_on(cycle, self.run_ahead, self.engine):
-            return None  # checked before the plans are built: every CPU cycle passes here
-        following = self._plans(self.batch.rows, states, before=plans)
-        cycle_ahead = any(p.k for p in following)
-        if cycle_ahead and not step_rules.may_launch_cycle_ahead(self.run_ahead, self.controller):
-            return None  # a cycle the schedule's switch to plain would undo, or no run-ahead
-        return following
 
     def _conclude(
         self, rows: tuple[Row, ...], states: list[RowState], plans: list[RowPlan], settled: Settled
     ) -> list[MTPResponse]:
-        """Lifecycle events for the step (one atomic batch step), then emission."""
-        self._apply_signals(
-            Operation.step,
-            {row.uid: step_rules.step_signals(plans[i].k, settled.accepted[i]) for i, row in enumerate(rows)},
-        )
+        """Emission of a settled step (its lifecycle events are sent): each row's tokens,
+        up to its finish."""
         out: list[MTPResponse] = []
         finished = []
         for i, row in enumerate(rows):
@@ -715,10 +344,9 @@ class MTPBatchGenerator(BatchSurface):
         the events spec/batch.toml lists for it), then the report."""
         (self.batch if batch is None else batch).apply(operation, signals)
         for uid, sent in signals.items():
-            for signal in [sent] if isinstance(sent, Signal) else sent:
-                self._record(uid, signal)
+            self._events.setdefault(uid, []).extend([sent] if isinstance(sent, Signal) else sent)
 
-    # -- emission, faults, reshaping -------------------------------------------------
+    # -- emission, reshaping ---------------------------------------------------------
     def _emit(
         self, uid: int, state: RowState, token: int, logprobs: mx.array, from_draft: bool, out: list
     ) -> str | None:
@@ -730,22 +358,8 @@ class MTPBatchGenerator(BatchSurface):
         self._emitted.setdefault(uid, []).append(token)
         return reason
 
-    def _fault_rows(self, uids: list[Any], ks: list[int], fault: SpeculativeFault) -> None:
-        message = str(fault)
-        outcome = {uid: step_rules.fault_signals(k, fault.drafted, message) for uid, k in zip(uids, ks)}
-        recorded = {uid: before for uid, (before, _) in outcome.items() if before}
-        if recorded:  # the drafts existed: record them, then discard them with the fault
-            self._apply_signals(Operation.step, recorded)
-        self._apply_signals(Operation.fault, {uid: signal for uid, (_, signal) in outcome.items()})
-        faulted = set(uids)
-        for uid in uids:
-            self.batch.row(uid).payload.fault = message
-        for row, head in zip(self.batch.rows, self.engine.rows):
-            if row.uid in faulted:  # faulted for good: the head does no more work for it
-                self.engine.forget(head)
-
     def _finish(self, uids: list[Any], out: list[MTPResponse]) -> None:
-        self._drop_cycle_ahead()  # built for rows that are leaving; their caches are read now
+        self.steps.drop_cycle_ahead()  # built for rows that are leaving; their caches are read now
         done = set(uids)
         by_uid = {}
         for i, row in enumerate(self.batch):
@@ -768,7 +382,7 @@ class MTPBatchGenerator(BatchSurface):
         self._filter([i for i, uid in enumerate(self.batch.uids) if uid not in done])
 
     def _filter(self, keep: list[int]) -> None:
-        self._drop_cycle_ahead()  # built for rows that are leaving
+        self.steps.drop_cycle_ahead()  # built for rows that are leaving
         engine = self.engine
         if keep:
             for c in engine.cache:
@@ -777,7 +391,5 @@ class MTPBatchGenerator(BatchSurface):
                 c.filter(keep)
         else:
             engine.cache, engine.head_cache = [], []
-        engine.filter(keep)  # a plain step running ahead keeps the surviving rows
-        if self._ahead is not None:  # the narrowed step carries the kept rows' plans and uids
-            self._ahead = engine.in_flight[0] if keep else None
+        self.steps.filter(keep)  # a plain step running ahead keeps the surviving rows
         self.batch.filter(keep)

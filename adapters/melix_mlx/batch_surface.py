@@ -2,9 +2,11 @@
 
 Rules of this module:
 - `BatchSurface` is a mixin of `melix_mlx.batch_generator.MTPBatchGenerator`; it holds
-  no decoding logic, only the surface around it: `insert_segments`, `close` (restores
-  the wired limit set at construction, as mlx-lm's generator does), `prompt_cache_nbytes`,
-  the segment stage of prefill, and per-request failure isolation.
+  no decoding logic, only the surface around it: mlx-lm's counters (`stats`), the cache
+  views, `extract_cache`, `insert_segments`, `close` (restores the wired limit set at
+  construction, as mlx-lm's generator does), `prompt_cache_nbytes`, the segment stage of
+  prefill, per-request failure isolation, and the hooks a server wrapping the generator
+  drives (melix_mlx.serve.runtime: `next_uid`, `reserve_uid`, `prompt_tokens`, `end_all`).
 - Segments: `insert_segments` keeps a request's prompt segments apart. Each `next()`
   prefills at most ONE pending non-final segment per queued request into the request's
   own cache and reports it as a prompt response with `end_of_segment` and not
@@ -30,14 +32,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch
+from mlx_lm.generate_utils import BatchCountersSnapshot, BatchStats
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
+from melix_fsm import lifecycle as lc
+from melix_fsm.batch import Batch, Operation
 from melix_fsm.errors import MelixError
+from melix_fsm.lifecycle import Signal
 
 from .batch_rows import InsertRequest
 from .hidden import forward_with_hidden
@@ -68,28 +76,125 @@ class BatchSurface:
 
     # provided by MTPBatchGenerator
     model: Any
-    cache: list[Any]
-    head_cache: list[Any]
+    engine: Any
+    steps: Any
+    batch: Batch
+    refusal: str | None
+    controller: Any
+    row_forwards: int
     prefill_batch_size: int
     prefill_step_size: int
     max_kv_size: int | None
     _queue: Any
     _stream: Any
-    _ahead: Any
     _counters: Any
+    _uid_count: int
+    insert: Callable[..., list[int]]
+    _apply_signals: Callable[..., None]
+    _filter: Callable[[list[int]], None]
 
     def _init_surface(self) -> None:
         self._old_wired_limit = maybe_set_recommended_wired_limit()
         self._held: set[int] = set()  # reported a segment boundary in the latest next()
         self._failures: dict[int, BaseException] = {}
 
+    # -- mlx-lm surface --------------------------------------------------------------
+    @property
+    def cache(self) -> list[Any]:
+        return self.engine.cache
+
+    @property
+    def head_cache(self) -> list[Any]:
+        return self.engine.head_cache
+
+    @property
+    def target_forwards(self) -> int:
+        return self.engine.target_forwards
+
+    @property
+    def replay_forwards(self) -> int:
+        return self.engine.replay_forwards
+
+    @property
+    def head_forwards(self) -> int:
+        return self.engine.head_forwards
+
+    @property
+    def stream(self) -> Any:
+        return self._stream
+
+    @contextlib.contextmanager
+    def stats(self) -> Iterator[BatchStats]:
+        stats = BatchStats()
+        start = BatchCountersSnapshot(**asdict(self._counters))
+        try:
+            yield stats
+        finally:
+            end = BatchCountersSnapshot(**asdict(self._counters))
+            stats += BatchCountersSnapshot.between(start, end)
+
+    def speculative_stats(self) -> dict[str, Any]:
+        """Batch totals of the lifecycle counters (retired rows included) and forward counts."""
+        out = self.batch.totals().summary()
+        out.update(
+            target_forwards=self.target_forwards,
+            replay_forwards=self.replay_forwards,
+            row_forwards=self.row_forwards,
+            head_forwards=self.head_forwards,
+            abandoned_steps=self.engine.abandoned_steps,
+            refusal=self.refusal,
+            policy=self.controller.summary() if self.controller is not None else None,
+        )
+        return out
+
+    def extract_cache(self, uids: Any) -> dict[int, tuple[list[Any], list[int]]]:
+        out = {}
+        for r in self._queue:
+            if r.uid in uids:
+                out[r.uid] = self._queued_cache(r)
+        self.steps.drop_cycle_ahead()  # its rollback is not settled: the caches are read after it
+        ahead = self.steps.ahead is not None  # a plain step running ahead already fed each row's y
+        for i, row in enumerate(self.batch):
+            if row.uid in uids:
+                tokens = list(row.payload.context) + ([row.payload.y] if ahead else [])
+                out[row.uid] = ([c.extract(i) for c in self.cache], tokens)
+        return out
+
+    # -- hooks for a server wrapping the generator (melix_mlx.serve.runtime) ---------------
+    @property
+    def next_uid(self) -> int:
+        """The uid the next inserted request gets."""
+        return self._uid_count
+
+    def reserve_uid(self) -> int:
+        """A uid for a request that never joins (its insert failed): uids stay unique."""
+        uid = self._uid_count
+        self._uid_count += 1
+        return uid
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens processed since the generator was built (mlx-lm's counter)."""
+        return self._counters.prompt_tokens
+
+    def end_all(self, reason: str) -> list[Any]:
+        """Finish every row at once, e.g. when the batched step itself failed: a step in
+        flight is undone first, each row gets its finish event (with `reason`), the batch
+        empties. Returns the uids that left."""
+        uids = list(self.batch.uids)
+        with contextlib.suppress(RuntimeError):  # a plain step across a reshape only settles
+            self.steps.abandon_ahead()
+        with contextlib.suppress(Exception):  # rows may be mid-cycle: they leave regardless
+            ended = Signal(event=lc.FINISH.event, reason=reason)
+            self._apply_signals(Operation.finish, {uid: ended for uid in uids})
+        self._filter([])
+        return uids
+
     # -- lifetime --------------------------------------------------------------------
     def close(self) -> None:
         """Undo a step launched ahead and restore the wired limit set at construction."""
-        if self._ahead is not None:
-            with contextlib.suppress(RuntimeError):  # a plain step of since-filtered rows
-                self.engine.abandon(self._ahead)  # type: ignore[attr-defined]
-        self._ahead = None
+        with contextlib.suppress(RuntimeError):  # a plain step of since-filtered rows
+            self.steps.abandon_ahead()
         if getattr(self, "_old_wired_limit", None) is not None:
             mx.synchronize(self._stream)
             mx.set_wired_limit(self._old_wired_limit)

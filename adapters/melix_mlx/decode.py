@@ -1,19 +1,25 @@
-"""Single-sequence MTP speculative decoding: the cycle engine at B = 1, pipelined.
-(Over 400 lines: the one-sequence loop with its run-ahead, quantized-KV boundary and cache
-form read together; the rules of a step it shares with the batch live in step_rules.py.)
+"""Single-sequence MTP speculative decoding: the B = 1 client of the step pipeline.
+
+`MTPDecoder` admits one sequence (prefill, first token, head primed) and emits its
+tokens; every step is melix_mlx.step_driver.StepPipeline's, the one the batched
+generator drives (as mlx-lm's single-sequence functions sit over its batch objects).
+What only one sequence has stays here: the quantized-KV boundary, mlx-lm's
+single-sequence cache form, an unbounded run (`max_tokens < 0`).
 
 Rules of this module:
 - Output identity: greedy output equals mlx-lm's `generate_step` token for token, and
   sampled output has mlx-lm's sampling distribution (melix_mlx.sampling). The target
   model decides every emitted token; drafts only decide how many come per forward.
 - The cycle itself (drafts, verify, acceptance on the device, head catch-up, rollback
-  without replay) is melix_mlx.engine's, shared with the batched generator.
+  without replay) is melix_mlx.engine's, and the step around it (plan, launch, run
+  ahead, validate, settle, lifecycle events, policy feedback) melix_mlx.step_driver's,
+  both shared with the batched generator.
 - Host work overlaps device work as in mlx-lm's `generate_step`: each step (a cycle or a
   plain forward) is launched with `mx.async_eval` BEFORE the previous step's tokens are
   yielded, so the caller's detokenizing and this module's bookkeeping run while the
   device computes. After a plain step the next step is built on its lazy token before
   it is synced, exactly as `generate_step` pipelines. After a cycle that happens with
-  `run_ahead` (default on a GPU: melix_mlx.engine.run_ahead_default), and needs a
+  `run_ahead` (default on a GPU: melix_mlx.step_driver.run_ahead_default), and needs a
   rollback that runs in the graph: the sequence then decodes on
   one-row batch caches (mlx-lm's own `merge`, melix_mlx.ragged_kv) and is handed back in
   mlx-lm's single-sequence form when the generator ends. Logits processors (the host's
@@ -44,7 +50,6 @@ Rules of this module:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -54,16 +59,18 @@ from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, _merge_caches, maybe_qua
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from melix_fsm import lifecycle as lc
+from melix_fsm.batch import Operation
 from melix_fsm.lifecycle import SequenceMachine
 from melix_fsm.reasons import RefusalReason, reason_of, refusal_text
 
 from . import head_receipt, ragged_kv, rollback, step_rules, window_kv
-from .engine import CycleEngine, run_ahead_default
-from .engine_records import Flight, PlainStep, RowHead, RowPlan, SpeculativeFault
+from .engine import CycleEngine
+from .engine_records import RowHead, RowPlan
 from .errors import check_kv_group
 from .hidden import main_parts
 from .prefill import check_prompt, prefill_with_hidden
 from .sampling import UNKNOWN_SAMPLER, SamplingParams, normalize_logits, params_of
+from .step_driver import StepOutcome, StepPipeline, run_ahead_default
 from .token_history import TokenHistory
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -118,15 +125,22 @@ class MTPDecoder:
         self.machine = machine if machine is not None else SequenceMachine(uid=0)
         self.fault_message: str | None = None
         self.refusal = refusal or self._refusal_reason()
-        self.controller = controller  # melix_fsm.policy.controller.LiveController, or None: always on
         self._history: TokenHistory | None = None  # prompt and every yielded token (processors only)
-        self._last_step_end: float | None = None
-        # build step n + 1 before step n syncs (melix_mlx.engine.run_ahead_default: on a GPU)
-        self.run_ahead = run_ahead_default() if run_ahead is None else run_ahead
         self._single_form: list[Any] | None = None  # the caller's cache list while rows run batch-form
-        self._deferred_fault: tuple[SpeculativeFault, int] | None = None  # from a launch ahead
-        self._plain_ahead = False  # a plain step launched ahead is running (see _reconcile)
-        self._budget: int | None = None  # tokens the run may still emit before this step (None: no cap)
+        self._remaining = 0  # tokens the run still wants before the next step to settle
+        self._budget: int | None = None  # the same, for the controller (None: no cap)
+        # build step n + 1 before step n syncs (melix_mlx.step_driver.run_ahead_default: on a GPU)
+        run_ahead = run_ahead_default() if run_ahead is None else run_ahead
+        # controller: a melix_fsm.policy.controller.LiveController, or None: always on
+        self.steps = StepPipeline(self.engine, self, controller, run_ahead)
+
+    @property
+    def controller(self) -> Any:
+        return self.steps.controller
+
+    @property
+    def run_ahead(self) -> bool:
+        return self.steps.run_ahead
 
     @property
     def cache(self) -> list[Any]:
@@ -155,14 +169,38 @@ class MTPDecoder:
             # Admitted before loading (by a receipt), refused by what only the loaded
             # decoder knows (sampler, cache kinds): the spec's late refusal, for good.
             self.machine.send(lc.Signal(event=lc.REFUSE.event, reason=self.refusal))
-            self.controller = None
+            self.steps.controller = None
 
-    # -- steps -----------------------------------------------------------------------
-    def _plan(self, k: int, remaining: int | None = None) -> RowPlan:
-        """The row's plan; `remaining` caps the drafts a cycle keeps (RowPlan.keep), so the
-        caches never hold a token the caller was not given."""
+    # -- the B = 1 client of the step pipeline ---------------------------------------
+    def step_uids(self) -> list[Any]:
+        return [0]
+
+    def step_states(self) -> list[lc.State]:
+        return [self.machine.state]
+
+    def plan_step(self, before: list[RowPlan] | None) -> list[RowPlan]:
+        """The row's plan for the next step; `before`: a step not yet settled, after which
+        the fewest tokens remain. A cycle's `remaining` caps the drafts it keeps
+        (RowPlan.keep), so the caches never hold a token the caller was not given."""
+        remaining = self._remaining - (before[0].k + 1 if before else 0)
+        k = self._depth(remaining)
         history = self._history.upto(len(self._history) - 1) if self._history is not None else None
-        return RowPlan(k, self.params, self.sampler, self.processors, history, remaining)
+        return [RowPlan(k, self.params, self.sampler, self.processors, history, remaining if k else None)]
+
+    def may_plan_ahead(self, plans: list[RowPlan]) -> bool:
+        """Processors read the host's history and quantization the host's offsets: never
+        ahead; nor a step the run has no tokens left for."""
+        if self.processors or self.kv_bits is not None:
+            return False
+        return self._remaining - (plans[0].k + 1) > 0
+
+    def apply_signals(self, operation: Operation, signals: dict[Any, lc.Signal | list[lc.Signal]]) -> None:
+        """Send the row's lifecycle events; a fault's message is kept in `fault_message`."""
+        for sent in signals.values():
+            if operation is Operation.fault and isinstance(sent, lc.Signal):
+                self.fault_message = sent.reason
+            for signal in [sent] if isinstance(sent, lc.Signal) else sent:
+                self.machine.send(signal)
 
     def _depth(self, remaining: int) -> int:
         """Drafts for the next cycle; 0 means the next step decodes plainly."""
@@ -182,10 +220,10 @@ class MTPDecoder:
 
     def _resuming(self) -> bool:
         """The controller resumed speculation while a plain step launched ahead ran: the
-        lifecycle resumes once that step settles (`_reconcile`); the next step is a cycle."""
-        if self.controller is None or not self.controller.speculating or self._boundary_pause:
+        lifecycle resumes once that step settles (StepPipeline.reconcile); the next step is a cycle."""
+        if self._boundary_pause or not self.steps.resuming(self.machine.state):
             return False
-        return self.machine.state in lc.STEERABLE and self.machine.allows(lc.RESUME.event)
+        return self.machine.allows(lc.RESUME.event)
 
     def _room_before_quantization(self) -> int | None:
         """Drafts a verify may carry and still end before quantized_kv_start (None: no limit)."""
@@ -197,117 +235,66 @@ class MTPDecoder:
         return self.quantized_kv_start - 1 - offsets[0]
 
     def _quantize(self) -> None:
-        """mlx-lm's own KV conversion, at the moments mlx-lm applies it."""
-        maybe_quantize_kv_cache(self.cache, self.quantized_kv_start, self.kv_group_size, self.kv_bits)
+        """mlx-lm's own KV conversion, at the moments mlx-lm applies it: after each prefill
+        chunk and before a step is launched (never under a step in flight)."""
+        if self.kv_bits is not None and self.steps.ahead is None:
+            maybe_quantize_kv_cache(self.cache, self.quantized_kv_start, self.kv_group_size, self.kv_bits)
 
-    def _start(self, remaining: int) -> Flight | PlainStep:
-        if self._plain_ahead:  # a resume put off for a plain step since voided (a fault)
-            self._plain_ahead = False
-            self._reconcile()  # ... applies now
-        self._quantize()
-        k = self._depth(remaining)
-        if k > 0:
-            try:
-                return self.engine.launch([self._plan(k, remaining)])
-            except SpeculativeFault as fault:
-                self._fault(fault, k)
-        return self._plain()
-
-    def _plain(self) -> PlainStep:
-        step = self.engine.plain([self._plan(0)])
-        mx.async_eval(step.tokens)
-        return step
-
-    def _launch_ahead(self, step: Flight | PlainStep, remaining: int) -> Flight | PlainStep | None:
-        """Step n + 1, built on `step`'s lazy outcome before `step` is synced (or None).
-
-        `remaining` counts the tokens still wanted before `step`; the ahead step plans for
-        the fewest that can remain after it. A fault while building it is recorded after
-        `step` settles (the lifecycle sees events in step order).
-        """
-        if self.processors or self.kv_bits is not None:
-            return None  # processors read the host's history; quantization, host offsets
-        # after a plain step nothing waits for the host: mlx-lm's own pipelining, always
-        if not step_rules.may_build_on(isinstance(step, Flight), self.run_ahead, self.engine):
-            return None
-        left = remaining - (step.ks[0] + 1 if isinstance(step, Flight) else 1)
-        if left <= 0:
-            return None
-        k = self._depth(left)
-        if k == 0:
-            return self._plain()
-        if not step_rules.may_launch_cycle_ahead(self.run_ahead, self.controller):
-            return None
-        try:
-            return self.engine.launch([self._plan(k, left)])
-        except SpeculativeFault as fault:
-            self._deferred_fault = (fault, k)
-            return None
-
-    def _still_valid(self, ahead: Flight | PlainStep | None) -> Flight | PlainStep | None:
-        """Keep a step launched ahead only if the verdict that launched it still stands
-        (speculating or not, and no deeper than the depth now allowed)."""
-        if ahead is None:
-            return None
-        speculating = self.machine.state in lc.CYCLE_READY and not self.refusal
-        depth = getattr(self.controller, "k", self.k) if self.controller is not None else self.k
-        then = ahead.ks[0] if isinstance(ahead, Flight) else 0
-        # a resume waits for a plain step running ahead (`_reconcile`): the row is not resuming
-        if step_rules.ahead_fits([then], [depth if speculating else 0], [False]):
-            return ahead
-        self.engine.abandon(ahead)
-        return None
-
-    def _finish(self, step: Flight | PlainStep) -> list[Emitted] | None:
-        """Sync one launched step and record it; None when a cycle faulted."""
-        if isinstance(step, PlainStep):
-            token = self.engine.settle_plain(step)[0]
-            signals = step_rules.step_signals(0, 0)
-            out = [(token, step.logprobs[0], False)]
-        else:
-            try:
-                settled = self.engine.settle(step)
-            except SpeculativeFault as fault:
-                self._fault(fault, step.ks[0])
-                return None
-            a = settled.accepted[0]
-            signals = step_rules.step_signals(step.ks[0], a)
-            out = [(t, settled.logprobs[0, j], j < a) for j, t in enumerate(settled.tokens[0])]
-        for signal in signals:
-            self.machine.send(signal)
-        if self._boundary_pause and isinstance(step, PlainStep):  # the plain step at the start is done
+    def _settled(self, outcome: StepOutcome) -> list[Emitted]:
+        """The step's tokens; after the plain step at quantized_kv_start the row resumes;
+        the controller sees the step's outcome and wall time."""
+        settled, k = outcome.settled, outcome.plans[0].k
+        a = settled.accepted[0]
+        out = [(t, settled.logprobs[0, j], j < a) for j, t in enumerate(settled.tokens[0])]
+        if self._boundary_pause and k == 0:  # the plain step at the start is done
             self._boundary_pause = False
             self.machine.send(lc.Signal(event=lc.RESUME.event, reason="past quantized_kv_start"))
-        self._observe(signals, len(out))
+        seconds = self.steps.step_seconds()
+        if self.machine.state in lc.STEERABLE:
+            remaining = None if self._budget is None else max(self._budget - len(out), 0)
+            signals = outcome.signals.values()
+            self.steps.feed(1, signals, seconds=seconds, tokens=len(out), remaining=remaining)
         return out
-
-    def _observe(self, signals: list[lc.Signal], tokens: int) -> None:
-        """Feed the controller this step's outcome and wall time."""
-        now = time.perf_counter()
-        seconds = None if self._last_step_end is None else now - self._last_step_end
-        self._last_step_end = now
-        if self.controller is None or self.machine.state not in lc.STEERABLE:
-            return
-        remaining = None if self._budget is None else max(self._budget - tokens, 0)
-        step_rules.feed(self.controller, 1, [signals], seconds=seconds, tokens=tokens, remaining=remaining)
-        self._reconcile()
-
-    def _fault(self, fault: SpeculativeFault, k: int) -> None:
-        self.fault_message = str(fault)
-        recorded, faulted = step_rules.fault_signals(k, fault.drafted, self.fault_message)
-        for signal in (*recorded, faulted):
-            self.machine.send(signal)
-        for row in self.engine.rows:  # faulted for good: the head does no more work
-            self.engine.forget(row)
 
     def generate(self, prompt: mx.array, max_tokens: int = 256) -> Iterator[Emitted]:
         """Yield up to `max_tokens` tokens as `(token, logprobs, from_draft)`.
 
         Raises InvalidPrompt (before any forward) for an empty prompt or unknown token ids.
         """
+        y, logprobs = self._start(prompt)
+        produced = 1
+        try:
+            yield y, logprobs, False
+            while max_tokens < 0 or produced < max_tokens:
+                self._remaining = max_tokens - produced if max_tokens >= 0 else 2 * self.k + 2
+                self._budget = self._remaining if max_tokens >= 0 else None
+                self._quantize()
+                outcome = self.steps.step()
+                if outcome is None:
+                    continue  # faulted: the next step decodes y plainly
+                out = self._settled(outcome)[: self._remaining]
+                self.steps.record_ahead_fault()
+                if self._history is not None:
+                    self._history.extend([t for t, _, _ in out])
+                produced += len(out)
+                if max_tokens < 0 or produced < max_tokens:
+                    # overlap: the device runs the next step while the caller consumes these
+                    self._remaining = max_tokens - produced if max_tokens >= 0 else 2 * self.k + 2
+                    self.steps.check_ahead()
+                    self._quantize()
+                    self.steps.launch_next()
+                else:
+                    self.steps.abandon_ahead()
+                yield from out
+        finally:
+            self.steps.abandon_ahead()  # undone: the caches hold what was yielded but the last
+            self._leave_batch_form()
+
+    def _start(self, prompt: mx.array) -> tuple[int, mx.array]:
+        """Admission and prompt processing: prefill, the first token, the head primed."""
         check_prompt(self.model, prompt.tolist())
         self._resolve()
-        self._reconcile()  # a start the gate disabled begins suspended
+        self.steps.reconcile()  # a start the gate disabled begins suspended
         logits, hiddens = prefill_with_hidden(
             self.model, prompt, self.cache, self.prefill_step_size, after_chunk=self._quantize
         )
@@ -330,45 +317,9 @@ class MTPDecoder:
         self.engine.extend(mx.array([y]), [row])
         if self.processors:
             self._history = TokenHistory([*prompt_tokens, y])  # everything before y, then y
-        produced = 1
-        step: Flight | PlainStep | None = None
-        ahead: Flight | PlainStep | None = None
-        try:
-            if row.draft is not None:
-                self._enter_batch_form()
-            yield y, logprobs[-1], False
-            while max_tokens < 0 or produced < max_tokens:
-                remaining = max_tokens - produced if max_tokens >= 0 else 2 * self.k + 2
-                if step is None:
-                    step = self._start(remaining)
-                ahead = self._launch_ahead(step, remaining)
-                self._plain_ahead = isinstance(ahead, PlainStep)
-                self._budget = remaining if max_tokens >= 0 else None
-                out = self._finish(step)
-                step = None
-                if self._deferred_fault is not None:
-                    self._fault(*self._deferred_fault)
-                    self._deferred_fault = None
-                if out is None:
-                    ahead = None  # faulted: undoing the cycle voided the step built on it
-                    continue  # the next iteration decodes y plainly
-                ahead = self._still_valid(ahead)
-                out = out[:remaining]
-                if self._history is not None:
-                    self._history.extend([t for t, _, _ in out])
-                produced += len(out)
-                if max_tokens < 0 or produced < max_tokens:
-                    # overlap: the device runs the next step while the caller consumes these
-                    step = ahead or self._start(max_tokens - produced if max_tokens >= 0 else 2 * self.k + 2)
-                elif ahead is not None:
-                    self.engine.abandon(ahead)
-                ahead = None
-                yield from out
-        finally:
-            for launched in (step, ahead):  # undoing the earlier voids the later
-                if launched is not None:
-                    self.engine.abandon(launched)
-            self._leave_batch_form()
+        if row.draft is not None:
+            self._enter_batch_form()
+        return y, logprobs[-1]
 
     def _enter_batch_form(self) -> None:
         """Run the cycles on one-row batch caches, whose rollback runs in the graph.
@@ -404,21 +355,6 @@ class MTPDecoder:
             for processor in self.processors:
                 logits = processor(history, logits)
         return normalize_logits(logits)
-
-    def _reconcile(self) -> None:
-        """Bring the lifecycle in line with the controller's verdict: suspend or resume.
-
-        The verdict, not the returned action, is the truth: a window the controller calls
-        plain is a suspended window, whatever led there.
-        """
-        if self.controller is None:
-            return
-        # a plain step launched ahead belongs to the suspended window it was launched in:
-        # it settles as a plain step, and the row resumes after it (`_resuming`), so the
-        # switch undoes nothing
-        signal, rows = step_rules.steer(self.controller, [self.machine.state], [self._plain_ahead])
-        if rows:
-            self.machine.send(signal)
 
     @property
     def stats(self) -> dict[str, Any]:

@@ -2,9 +2,12 @@
 
 Single-sequence decoding (melix_mlx.decode) runs it with B = 1 on mlx-lm's own cache;
 the batched generator (melix_mlx.batch_generator) on merged batch caches. Both drive
-the same code: there is one acceptance rule, one head catch-up, one rollback.
-(Over 400 lines on purpose: the one graph a cycle builds and the rollback that undoes it
-read together; acceptance, timing and rollback mechanics live in their own modules.)
+it through one step pipeline (melix_mlx.step_driver): there is one acceptance rule, one
+head catch-up, one rollback.
+(Over 400 lines on purpose: the one graph a cycle builds, the in-flight steps and the
+rollback that undoes them read together; the head's side (engine_head.py), acceptance
+(acceptance.py), logits processing (logits_processing.py), timing and rollback mechanics
+live in their own modules, and the step pipeline that drives it in step_driver.py.)
 
 Rules of this module:
 - One lazy graph and ONE host sync per cycle. `launch` builds: the chained drafts
@@ -69,9 +72,10 @@ import mlx.nn as nn
 from melix_fsm.pipeline import PIPELINE, PipelineEvent, PipelineTracker
 
 from . import absorbed_mla, capture, rollback
-from .acceptance import accept_sampled
+from .acceptance import accept_sampled, cap_accepted
 from .cycle_clock import CycleClock
 from .distributed import agreement, rank_error
+from .engine_head import draw, feed_prompt, head_at, stack_pending
 from .engine_records import (
     CallerError,
     EngineState,
@@ -84,48 +88,11 @@ from .engine_records import (
     SpeculativeFault,
 )
 from .hidden import forward_with_hidden
-from .sampling import SamplingParams, normalize_logits, probabilities, sample_from
+from .logits_processing import call_caller, processed_logprobs
+from .sampling import SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]
 PENDING_FLUSH = 32  # plain steps after which pending head pairs are fed to the head
-
-
-def run_ahead_default() -> bool:
-    """Whether decoders build step n + 1 before syncing step n, unless told otherwise.
-
-    On a GPU the host builds while the device computes. On a CPU, mlx's evaluation keeps
-    the host thread dispatching until at most ~100 kernels are left (MAX_ACTIVE_TASKS = 10
-    tasks of DISPATCHES_PER_TASK = 10, compile-time constants of mlx), and the building
-    competes with the compute for the same cores: measured slower on this project's CPU
-    benchmarks (BENCHMARKS.md, "Run-ahead"), so it is off there. What that serial host
-    time costs mlx-lm's own loop: benchmarks/bench_cpu_dispatch.py ("Ninth round").
-    """
-    return mx.default_device().type == mx.DeviceType.gpu
-
-
-def _caller(fn: Callable[..., mx.array], *args: Any) -> mx.array:
-    """Call a caller-supplied sampler or processor; its exceptions are the caller's."""
-    try:
-        return fn(*args)
-    except Exception as exc:
-        raise CallerError(exc) from exc
-
-
-def _head_at(
-    head: nn.Module, hidden: mx.array, tokens: mx.array, cache: list[Any], at: mx.array
-) -> tuple[mx.array, mx.array]:
-    """The head over `tokens` [B, L]: (logits [B, V], head_hidden [B, 1, D]) at slot `at` [B].
-
-    A head with `trunk` / `logits` (every family head) projects only that slot to the
-    vocabulary; one without (a draft model in the head slot) is called whole and sliced.
-    """
-    index = at.astype(mx.int32).reshape(-1, 1, 1)
-    trunk = getattr(head, "trunk", None)
-    if trunk is None:
-        logits, out = head(hidden, tokens, cache)
-        return mx.take_along_axis(logits, index, axis=1)[:, 0], mx.take_along_axis(out, index, axis=1)
-    out = mx.take_along_axis(trunk(hidden, tokens, cache), index, axis=1)
-    return head.logits(out)[:, 0], out
 
 
 def _forward(fn: Callable[..., Any], *args: Any) -> Any:
@@ -194,16 +161,7 @@ class CycleEngine:
         row = RowHead()
         if self.head is None:
             return row
-        tokens = mx.array(pair_tokens)
-        start, n = 0, hiddens.shape[0]
-        while n - start > step_size:
-            end = start + step_size
-            # the chunk's logits are never evaluated, so never computed
-            self.head(hiddens[None, start:end], tokens[None, start:end], head_cache)
-            mx.eval([c.state for c in head_cache])
-            start = end
-        rest_h, rest_t, last = hiddens[None, start:], tokens[None, start:], mx.array([n - start - 1])
-        logits, row.hidden = _head_at(self.head, rest_h, rest_t, head_cache, last)
+        logits, row.hidden = feed_prompt(self.head, head_cache, hiddens, pair_tokens, step_size)
         self.head_forwards += 1
         drafts, qs = self._draw(logits, [params])
         row.draft, row.q = drafts, qs[0]
@@ -235,14 +193,8 @@ class CycleEngine:
     def _draw(
         self, logits: mx.array, params: list[SamplingParams | None]
     ) -> tuple[mx.array, list[mx.array | None]]:
-        """Draft tokens [B] from head logits [B, V]; per sampled row also its q [1, V]."""
-        tokens = mx.argmax(logits, axis=-1)
-        qs: list[mx.array | None] = [None] * len(params)
-        for i, p in enumerate(params):
-            if p is not None and not p.greedy:
-                qs[i] = probabilities(normalize_logits(logits[i : i + 1]), p)
-                drawn = sample_from(qs[i]).astype(tokens.dtype)
-                tokens = mx.where(mx.arange(len(params)) == i, drawn, tokens)
+        """Draft tokens [B] from head logits [B, V] (rank 0's); per sampled row also its q [1, V]."""
+        tokens, qs = draw(logits, params)
         return self.agreed(tokens), qs
 
     def catch_up(self, plans: list[RowPlan]) -> None:
@@ -250,21 +202,10 @@ class CycleEngine:
         stale = [i for i, r in enumerate(self.rows) if r.pending_t]
         if not stale or self.head is None:
             return
-        width = max(len(self.rows[i].pending_t) for i in stale)
-        dim = next(self.rows[i].pending_h[0].shape[-1] for i in stale)
-        dtype = self.rows[stale[0]].pending_h[0].dtype
-        hs, ts, real = [], [], []
-        for row in self.rows:
-            n = len(row.pending_t)
-            pad = width - n
-            h = mx.concatenate(row.pending_h, axis=0) if n else mx.zeros((0, dim), dtype)
-            t = mx.concatenate(row.pending_t).astype(mx.uint32) if n else mx.zeros((0,), mx.uint32)
-            hs.append(mx.concatenate([h, mx.zeros((pad, dim), dtype)]) if pad else h)
-            ts.append(mx.concatenate([t, mx.zeros((pad,), mx.uint32)]) if pad else t)
-            real.append(n)
+        stacked_h, stacked_t, real = stack_pending(self.rows, stale)
+        width = stacked_t.shape[1]
         last = mx.array([max(n - 1, 0) for n in real])
-        stacked_h, stacked_t = mx.stack(hs), mx.stack(ts)
-        step_logits, step_hidden = _forward(_head_at, self.head, stacked_h, stacked_t, self.head_cache, last)
+        step_logits, step_hidden = _forward(head_at, self.head, stacked_h, stacked_t, self.head_cache, last)
         self.head_forwards += 1
         rollback.drop_row_suffixes(self.head_cache, [width - n for n in real])
         drafts, qs = self._draw(step_logits, [p.params for p in plans])
@@ -330,10 +271,12 @@ class CycleEngine:
             row.hidden = flight.next_hidden[i : i + 1]
             row.pending_h, row.pending_t = [], []
 
-    def _build(self, plans, ks, K, B, cp, head_cp, before) -> Flight:
+    def _chain_drafts(
+        self, plans: list[RowPlan], K: int
+    ) -> tuple[list[mx.array], list[list[mx.array | None]], Any]:
+        """The cycle's K draft columns [B] (column 0 from the previous cycle, the rest by
+        chaining the head), their distributions per sampled row, and the head's chain step."""
         params = [p.params for p in plans]
-        self.catch_up(plans)  # rows that decoded plainly since their last cycle
-        # 1. drafts: column 0 came from the previous cycle; chain the head for the rest
         live = next(r for r, p in zip(self.rows, plans) if p.k > 0)
         # rows whose head state was dropped (faulted, never primed) ride along on placeholders
         blank_draft, blank_hidden = mx.zeros((1,), mx.uint32), mx.zeros_like(live.hidden)
@@ -352,6 +295,13 @@ class CycleEngine:
             tokens, qs = self._draw(logits[:, -1], params)
             columns.append(tokens.astype(mx.uint32))
             qcols.append(qs)
+        return columns, qcols, chain_step
+
+    def _build(self, plans, ks, K, B, cp, head_cp, before) -> Flight:
+        params = [p.params for p in plans]
+        self.catch_up(plans)  # rows that decoded plainly since their last cycle
+        # 1. drafts: column 0 came from the previous cycle; chain the head for the rest
+        columns, qcols, chain_step = self._chain_drafts(plans, K)
         drafts = mx.stack(columns, axis=1)  # [B, K]
         if self.agreement is not None and self.agreement.settle_inputs:
             mx.eval(drafts)  # pipelined ranks: agreed inputs before the forward (distributed.Agreement)
@@ -369,13 +319,13 @@ class CycleEngine:
             steps = capture.collect(armed)
             absorbed_mla.disarm(verifying)
         self.target_forwards += 1
-        logprobs = self._logprobs(plans, logits, inputs)
+        logprobs = processed_logprobs(plans, logits, inputs)
         # 3. acceptance on the device
         accepted, bonus = self._accept(plans, ks, K, drafts, qcols, logprobs)
         if self.agreement is not None:  # one exchange for both
             both = self.agreed(mx.stack([accepted.astype(mx.int32), bonus.astype(mx.int32)]))
             accepted, bonus = both[0], both[1].astype(bonus.dtype)
-        accepted, kept, bonus = self._kept(plans, ks, K, drafts, accepted, bonus)
+        accepted, kept, bonus = cap_accepted(plans, ks, K, drafts, accepted, bonus)
         if armed:
             capture.select(armed, steps, kept + 1)
         in_graph = rollback.in_graph(self.cache) and rollback.in_graph(self.head_cache)
@@ -391,7 +341,7 @@ class CycleEngine:
         try:
             # the accepted slot's draft only: one row of the output projection per row
             head_logits, next_hidden = _forward(
-                _head_at, self.head, hidden, pair_tokens, self.head_cache, kept
+                head_at, self.head, hidden, pair_tokens, self.head_cache, kept
             )
         finally:
             absorbed_mla.disarm(marked)
@@ -416,29 +366,6 @@ class CycleEngine:
             in_graph=in_graph,
         )
 
-    def _logprobs(self, plans: list[RowPlan], logits: mx.array, inputs: mx.array) -> mx.array:
-        """Processed log-probabilities [B, L, V]; logits processors see the token history."""
-        if not any(p.processors for p in plans):
-            return normalize_logits(logits)
-        rows = []
-        for i, plan in enumerate(plans):
-            if not plan.processors:
-                rows.append(normalize_logits(logits[i]))
-                continue
-            # history, y and the drafts, all on the device: the processors need no sync
-            before = plan.history if plan.history is not None else mx.zeros((0,), mx.uint32)
-            context = mx.concatenate([before, inputs[i].astype(mx.uint32)])
-            n = before.size
-            positions = []
-            for j in range(logits.shape[1]):
-                history = context[: n + j + 1]
-                row = logits[i, j : j + 1]
-                for processor in plan.processors:
-                    row = _caller(processor, history, row)
-                positions.append(row)
-            rows.append(normalize_logits(mx.concatenate(positions, axis=0)))
-        return mx.stack(rows)
-
     def _accept(self, plans, ks, K, drafts, qcols, logprobs) -> tuple[mx.array, mx.array]:
         """Accept counts [B] and bonus tokens [B], on the device."""
         B = len(plans)
@@ -452,7 +379,7 @@ class CycleEngine:
             if plan.greedy:
                 continue
             if ks[i] == 0:  # plain ride-along: the row's own sampler, as mlx-lm draws
-                token = _caller(plan.sampler, logprobs[i, 0:1]).reshape(())
+                token = call_caller(plan.sampler, logprobs[i, 0:1]).reshape(())
                 a = mx.array(0, mx.int32)
             else:
                 q = mx.concatenate([qcols[j][i] for j in range(ks[i])], axis=0)
@@ -460,24 +387,6 @@ class CycleEngine:
             accepted = mx.where(rows == i, a, accepted)
             bonus = mx.where(rows == i, token.astype(bonus.dtype), bonus)
         return accepted, bonus
-
-    @staticmethod
-    def _kept(plans, ks, K, drafts, accepted, bonus) -> tuple[mx.array, mx.array, mx.array]:
-        """Accepted drafts that are emitted [B], drafts kept [B] and the token after them
-        [B] (RowPlan.keep).
-
-        An accepted draft past a row's cap is the target's own token there (its argmax, or
-        a sample the speculative rule accepted), so it becomes the row's last token: the
-        row emits at most cap + 1 drafts, and only those count as accepted.
-        """
-        caps = [k if p.keep is None else min(p.keep, k) for p, k in zip(plans, ks)]
-        if caps == list(ks):
-            return accepted, accepted, bonus
-        cap = mx.array(caps)
-        over = accepted > cap
-        at_cap = mx.take_along_axis(drafts, mx.minimum(cap, K - 1)[:, None], axis=1)[:, 0]
-        emitted = mx.minimum(accepted, cap + 1)
-        return emitted, mx.where(over, cap, accepted), mx.where(over, at_cap.astype(bonus.dtype), bonus)
 
     def settle(self, flight: Flight) -> Settled:
         """The cycle's one sync; trims the caches to each row's accepted prefix.
@@ -554,12 +463,12 @@ class CycleEngine:
         logits, hidden = forward_with_hidden(self.model, self.y[:, None], self.cache)
         self.target_forwards += 1
         try:
-            logprobs = self._logprobs(plans, logits, self.y[:, None])[:, 0]
+            logprobs = processed_logprobs(plans, logits, self.y[:, None])[:, 0]
             tokens = mx.argmax(logprobs, axis=-1)
             rows = mx.arange(len(plans))
             for i, plan in enumerate(plans):
                 if not plan.greedy:
-                    drawn = _caller(plan.sampler, logprobs[i : i + 1]).reshape(())
+                    drawn = call_caller(plan.sampler, logprobs[i : i + 1]).reshape(())
                     tokens = mx.where(rows == i, drawn, tokens)
         except CallerError as exc:
             raise exc.cause from None

@@ -1,11 +1,12 @@
 """The rules of one decode step that both decoders follow, written once.
 
 melix_mlx.decode (one sequence, B = 1) and melix_mlx.batch_generator (B rows) drive the
-same cycle engine; what a settled step means for the lifecycle, what a fault records,
-what the live controller is fed and which rows its verdict suspends or resumes are the
-same rules at any B, so they live here and both decoders call them. What differs stays
-with each decoder: admission and emission (the batch), the quantized-KV boundary and the
-single-sequence cache form (one sequence).
+same step pipeline (melix_mlx.step_driver) over the same cycle engine; what a settled
+step means for the lifecycle, what a fault records, what the live controller is fed and
+which rows its verdict suspends or resumes are the same rules at any B, so they live
+here and the pipeline calls them. What differs stays with each decoder: admission and
+emission (the batch), the quantized-KV boundary and the single-sequence cache form (one
+sequence).
 
 Rules of this module:
 - Pure functions over lifecycle values (melix_fsm.lifecycle): no mlx, no engine, no clock.

@@ -107,7 +107,7 @@ def _request(uid: int, n: int) -> InsertRequest:
 def test_the_generator_prefills_fresh_requests_together_and_a_cached_one_alone(
     loaded_heads, family: str, monkeypatch
 ) -> None:
-    import melix_mlx.batch_generator as bg
+    import melix_mlx.batch_admission as bg  # where admission calls the prefill
 
     model, _, head, _ = loaded_heads[family]
     n = 12
@@ -149,7 +149,7 @@ def test_rotating_caches_decode_as_mlx_lm_batch_generator(loaded_heads, family: 
     they did not (its batch caches window a padded joint prefill differently from one
     row's cache): mimo's rows then differed from their first or second token on. With
     windowed caches every fresh prompt joins one group, however unlike their lengths."""
-    import melix_mlx.batch_generator as bg
+    import melix_mlx.batch_admission as bg  # where admission calls the prefill
 
     model, _, head, _ = loaded_heads[family]
     long = [(7 * i) % 200 + 1 for i in range(24)]  # unlike length: joined anyway, as mlx-lm joins

@@ -217,7 +217,7 @@ def test_plain_steps_run_ahead_through_removal_and_joins(loaded_heads):
     for _ in range(4):
         for r in gen.next()[1]:
             got[r.uid].append(r.token)
-    assert gen._ahead is not None  # the next plain step is already running
+    assert gen.steps.ahead is not None  # the next plain step is already running
     caches = gen.remove([uids[0]], return_prompt_caches=True)
     cache, tokens = caches[uids[0]]
     assert tokens[: len(PROMPTS[0])] == PROMPTS[0]

@@ -147,7 +147,7 @@ def test_prompt_cache_nbytes_and_stats(loaded: tuple, prompts: list) -> None:
 
 
 def test_a_failing_prefill_drops_only_its_request(loaded: tuple, prompts: list, monkeypatch) -> None:
-    import melix_mlx.batch_generator as bg
+    import melix_mlx.batch_admission as bg  # where admission calls the prefill
 
     model, _, head = loaded
     ref = MTPBatchGenerator(model, head, num_draft_tokens=2)
@@ -257,7 +257,7 @@ def test_plain_rows_pipeline_while_requests_queue_for_a_row(loaded: tuple, promp
 
     def count(g: Any, _: list) -> None:
         nonlocal waiting_ahead
-        waiting_ahead += bool(g._queue) and len(g.batch) == 2 and g._ahead is not None
+        waiting_ahead += bool(g._queue) and len(g.batch) == 2 and g.steps.ahead is not None
 
     ours = drain(gen, gen.insert(many, max_tokens=[12] * len(many)), count)
     assert list(ours.values()) == list(theirs.values())

@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from decode_refs import mtp, reference
+from melix_mlx.acceptance import cap_accepted
 from melix_mlx.batch_generator import MTPBatchGenerator
 from melix_mlx.engine import CycleEngine
 from melix_mlx.engine_records import RowPlan
@@ -108,7 +109,7 @@ def test_a_draft_past_the_cap_becomes_the_last_token(temp: float) -> None:
         plan = RowPlan(2, params, sampler, remaining=None if keep is None else keep + 1)
         assert plan.keep == keep
         accepted, bonus = CycleEngine._accept(None, [plan], [2], 2, drafts, q, logprobs)
-        emitted, kept, last = CycleEngine._kept([plan], [2], 2, drafts, accepted, bonus)
+        emitted, kept, last = cap_accepted([plan], [2], 2, drafts, accepted, bonus)
         assert accepted.item() == 2  # the rule accepted both ...
         assert emitted.item() == min(2, want[0] + 1)  # ... the row emits what it keeps, then one
         assert (kept.item(), last.item()) == want

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -166,8 +168,9 @@ def test_scheduled_controller_catches_a_decoder_that_ignores_it(loaded_heads) ->
     class Deaf(MTPDecoder):
         """Reads the controller once at admission, then speculates whatever it says."""
 
-        def _reconcile(self) -> None:
-            pass
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.steps.reconcile = lambda *_: None  # the verdict never becomes lifecycle events
 
         def _depth(self, remaining: int) -> int:
             return max(1, min(self.k, remaining - 1))
