@@ -102,8 +102,8 @@ def main() -> None:
     reexec_in_regime(args.regime)
 
     import mlx.core as mx
-    from melix_mlx.checkpoints import resolve_model
-    from melix_mlx.hidden import main_parts
+    from melix_mlx.loading.checkpoints import resolve_model
+    from melix_mlx.runtime.hidden import main_parts
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 

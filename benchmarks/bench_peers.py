@@ -153,9 +153,9 @@ def _summary(runs: list[dict[str, Any]], label: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from melix_mlx.bench_results import regime
-    from melix_mlx.checkpoints import resolve_model
-    from melix_mlx.workloads import held_out_prompts
+    from melix_mlx.loading.checkpoints import resolve_model
+    from melix_mlx.tools.bench_results import regime
+    from melix_mlx.tools.workloads import held_out_prompts
 
     model = resolve_model(args.model)
     texts = [p.text[: args.prompt_chars] if args.prompt_chars else p.text for p in held_out_prompts(model)]

@@ -3,7 +3,7 @@
     python benchmarks/bench_plain_calibration.py --model stdlib-hybrid --regime openblas --repeats 6
 
 The live controller compares speculative throughput with the *calibrated* plain step (one
-forward, synced: `melix_mlx.calibrate`) until a plain window is measured, and its margin
+forward, synced: `melix_mlx.runtime.calibrate`) until a plain window is measured, and its margin
 for putting off the first plain probe (`LiveConfig.defer_plain_above`) must cover how far
 the live plain step runs from it (BENCHMARKS.md, "Tenth round"). This script measures
 that: forced-off decoding (the single-sequence decoder, and the batched generator at each
@@ -33,8 +33,8 @@ def main() -> None:
 
     import mlx.core as mx
     from melix_mlx.batch_generator import MTPBatchGenerator
-    from melix_mlx.bench import Bench, _run_batch
-    from melix_mlx.checkpoints import resolve_model
+    from melix_mlx.loading.checkpoints import resolve_model
+    from melix_mlx.tools.bench import Bench, _run_batch
 
     from melix_fsm.policy.controller import LiveController
 

@@ -20,11 +20,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import melix_mlx.batch_admission as batch_admission  # where admission asks joins_fresh
+import melix_mlx.decoding.batch_admission as batch_admission  # where admission asks joins_fresh
 from melix_mlx.batch_generator import MTPBatchGenerator
-from melix_mlx.checkpoints import resolve_model
 from melix_mlx.loading import load_with_heads
-from melix_mlx.workloads import held_out_prompts
+from melix_mlx.loading.checkpoints import resolve_model
+from melix_mlx.tools.workloads import held_out_prompts
 from mlx_lm.generate import BatchGenerator
 
 

@@ -38,10 +38,10 @@ def main() -> None:
     reexec_in_regime(args.regime)
 
     import mlx.core as mx
-    from melix_mlx.checkpoints import resolve_model
     from melix_mlx.generate import mtp_stream_generate
     from melix_mlx.loading import load_with_heads
-    from melix_mlx.workloads import held_out_prompts
+    from melix_mlx.loading.checkpoints import resolve_model
+    from melix_mlx.tools.workloads import held_out_prompts
     from mlx_lm import stream_generate
 
     from melix_fsm.policy.controller import LiveController

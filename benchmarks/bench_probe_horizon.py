@@ -39,8 +39,8 @@ def main() -> None:
     reexec_in_regime(args.regime)
 
     from melix_mlx.batch_generator import MTPBatchGenerator
-    from melix_mlx.bench import Bench, _interleaved, _run_batch, _sampler
-    from melix_mlx.checkpoints import resolve_model
+    from melix_mlx.loading.checkpoints import resolve_model
+    from melix_mlx.tools.bench import Bench, _interleaved, _run_batch, _sampler
     from mlx_lm.generate import BatchGenerator
 
     from melix_fsm.policy.controller import LiveController

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from melix_mlx.checkpoints import resolve_model
-from melix_mlx.qa.probabilities import target_probabilities
+from melix_mlx.loading.checkpoints import resolve_model
+from melix_mlx.tools.qa.probabilities import target_probabilities
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 

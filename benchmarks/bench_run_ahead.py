@@ -1,7 +1,7 @@
 """MTP against mlx-lm with the engine's run-ahead on or off (figures for BENCHMARKS.md).
 
 Rules of this script:
-- One process, one loaded embedded checkpoint, held-out prompts (melix_mlx.workloads).
+- One process, one loaded embedded checkpoint, held-out prompts (melix_mlx.tools.workloads).
 - Single sequence: `MTPDecoder` against mlx-lm's `generate_step`, the same prompt run by
   both back to back; decode tokens/s from the first yielded token on (prefill excluded);
   the figure is the median ratio over the prompts, each run twice.
@@ -26,10 +26,10 @@ from typing import Any
 
 import mlx.core as mx
 from melix_mlx.batch_generator import MTPBatchGenerator
-from melix_mlx.checkpoints import resolve_model
 from melix_mlx.decode import MTPDecoder
 from melix_mlx.loading import load_with_heads
-from melix_mlx.workloads import held_out_prompts
+from melix_mlx.loading.checkpoints import resolve_model
+from melix_mlx.tools.workloads import held_out_prompts
 from mlx_lm.generate import BatchGenerator, generate_step
 
 

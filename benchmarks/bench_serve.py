@@ -3,7 +3,7 @@
 Both servers run in this process on ephemeral ports over the same loaded checkpoint
 (ours: MTPBatchGenerator, policy forced on at depth k; mlx-lm's: its ResponseGenerator
 with plain mlx_lm.load). For each concurrency C, C client threads stream greedy
-completions of held-out prompts (melix_mlx.workloads), 2 requests per client; a cell is
+completions of held-out prompts (melix_mlx.tools.workloads), 2 requests per client; a cell is
 run on both servers back to back, in alternating order across repeats, and the ratio of
 the two is taken per repeat. Reported per server: aggregate completion tokens/s (all
 completion tokens over the cell's wall time) and the median time to first token
@@ -117,7 +117,7 @@ def measure(args: argparse.Namespace, regime: str) -> dict[str, Any]:
     import mlx_lm
     from melix_mlx.serve.app import mlx_settings, start_server
     from melix_mlx.serve.provider import load_served_model
-    from melix_mlx.workloads import held_out_prompts
+    from melix_mlx.tools.workloads import held_out_prompts
 
     served = load_served_model(args.model, args.k, "force_on")
     prompts = [p.text for p in held_out_prompts(served.path, per_workload=args.per_workload)]

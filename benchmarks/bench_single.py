@@ -34,7 +34,7 @@ from typing import Any
 import mlx.core as mx
 from melix_mlx.decode import MTPDecoder
 from melix_mlx.loading import load_with_heads
-from melix_mlx.tiny import FAMILIES, make_tiny
+from melix_mlx.tools.tiny import FAMILIES, make_tiny
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
 
@@ -130,7 +130,7 @@ def bench_family(family: str, path: str, n: int, reps: int) -> dict[str, Any]:
 
 
 def model_vocab(model: Any) -> int:
-    from melix_mlx.hidden import main_parts
+    from melix_mlx.runtime.hidden import main_parts
 
     return main_parts(model).args.vocab_size
 

@@ -5,7 +5,7 @@ Usage:
     python benchmarks/bench_widen_cell.py [--model stdlib-hybrid-wide] [--k 2] [--repeats 6]
         [--max-tokens 48] [--batch-size B] [--temp T] [--regime openblas|reference|current]
 
-The cell is `melix_mlx.bench.Bench.single_cell` (or `batch_cell` with --batch-size) as
+The cell is `melix_mlx.tools.bench.Bench.single_cell` (or `batch_cell` with --batch-size) as
 `melix-fsm bench` runs it (held-out prompts from the checkpoint's training report, cut
 short by default; the methods interleaved per repeat; the A/A control on; the ideal ratio
 from a calibration at the cell's batch size; auto beside forced-on), without the depth
@@ -47,10 +47,10 @@ def main() -> None:
     if args.regime != "current":
         reexec_in_regime(args.regime)
 
-    from melix_mlx.bench import Bench
-    from melix_mlx.bench_results import regime
-    from melix_mlx.checkpoints import resolve_model
-    from melix_mlx.workloads import Prompt, held_out_prompts
+    from melix_mlx.loading.checkpoints import resolve_model
+    from melix_mlx.tools.bench import Bench
+    from melix_mlx.tools.bench_results import regime
+    from melix_mlx.tools.workloads import Prompt, held_out_prompts
 
     path = resolve_model(args.model)
     started = time.perf_counter()

@@ -5,7 +5,7 @@ Usage (OpenBLAS, one thread, as the realistic-size regime is measured):
         python benchmarks/bench_widen_sizes.py MODEL [MODEL ...] [--k 2] [--rounds 15]
 
 MODEL is a folder, an embedded name or a widened preset (`stdlib-hybrid-wide`). The three
-forwards are the calibration's own (`melix_mlx.calibrate.build_forwards`: batch 1, a
+forwards are the calibration's own (`melix_mlx.runtime.calibrate.build_forwards`: batch 1, a
 64-token cache put back after every run), interleaved round by round so a noisy shared
 CPU hits them alike; the ratio is taken per round. Prints one JSON line per model:
 median and [min, max] of each figure, in ms.
@@ -26,9 +26,9 @@ def _spread(xs: list[float]) -> dict[str, float]:
 
 
 def measure(model_arg: str, k: int, rounds: int) -> dict:
-    from melix_mlx.calibrate import build_forwards
-    from melix_mlx.checkpoints import resolve_model
     from melix_mlx.loading import load_with_heads
+    from melix_mlx.loading.checkpoints import resolve_model
+    from melix_mlx.runtime.calibrate import build_forwards
 
     path = resolve_model(model_arg)
     model, _, head, info = load_with_heads(path)

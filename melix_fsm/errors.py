@@ -20,7 +20,7 @@ Defined beside the code that raises them, in the same tree: `PolicyError` >
 (melix_fsm.invariants), `InvalidReport` (melix_fsm.report), `ConformanceError(prop)`
 (melix_fsm.testing; also an AssertionError so test runners report it as a failure), and
 in the mlx glue `HeadLoadError(reason: RefusalReason)` > `MissingHeadWeights` /
-`HeadShapeMismatch` / `UnsupportedModel` (melix_mlx.errors).
+`HeadShapeMismatch` / `UnsupportedModel` (melix_mlx.loading.errors).
 
 State on error (as h11 does it): a refused event leaves the machine, and a refused
 batch operation leaves every row, exactly as it was.

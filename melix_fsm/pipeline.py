@@ -1,6 +1,6 @@
 """The step pipeline's machine, compiled from spec/pipeline.toml (melix_fsm.machine).
 
-The cycle engine (melix_mlx.engine) keeps one `PIPELINE.tracker()` and sends an event for
+The cycle engine (melix_mlx.runtime.engine) keeps one `PIPELINE.tracker()` and sends an event for
 every change of its queue of launched steps; `IN_FLIGHT` says how many steps each state
 holds, so the engine (and the tests) can hold the queue against the machine. No
 transition is written here.

@@ -21,7 +21,7 @@ Rules of this module:
                   with the target's next-next token more often than chance (one-sided
                   binomial test, `PROBE_ALPHA`). A multi-layer pack is probed through
                   layer 0, the layer every cycle's first draft comes from.
-- The checks run where the tensors are (melix_mlx.sidecar); this module holds the data
+- The checks run where the tensors are (melix_mlx.loading.sidecar); this module holds the data
   and the verdict, and no mlx. `melix_fsm.receipt.resolve(..., sidecar=report)` admits a
   validated pack and refuses any other as `unvalidated_sidecar`, naming the failed check.
 - Packs are found by `--mtp-sidecar DIR` or by convention beside the target:

@@ -59,9 +59,9 @@ def _interleaved(plain, mtp, repeats: int) -> dict[str, float]:
 
 
 def main() -> None:
-    from melix_mlx.checkpoints import resolve_model
-    from melix_mlx.distributed import load_sharded
     from melix_mlx.generate import mtp_stream_generate
+    from melix_mlx.loading.checkpoints import resolve_model
+    from melix_mlx.runtime.distributed import load_sharded
     from mlx_lm.generate import stream_generate
 
     parser = argparse.ArgumentParser()

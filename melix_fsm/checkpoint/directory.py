@@ -19,7 +19,7 @@ from .files import MAX_INDEX_BYTES, read_config, read_json
 from .headers import safetensors_keys
 
 INDEX_NAME = "model.safetensors.index.json"
-MELIX_CONFIG_KEY = "melix_mtp"  # written by melix_mlx.convert
+MELIX_CONFIG_KEY = "melix_mtp"  # written by melix_mlx.loading.convert
 MELIX_KEY_PREFIX = "melix_mtp."  # head keys of a converted checkpoint
 MELIX_DEFAULT_FILE = "mtp.safetensors"
 

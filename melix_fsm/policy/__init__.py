@@ -13,7 +13,7 @@ One concern per module, in the order data flows through them:
 - `errors`      `PolicyError`, `CalibrationError(reason)`
 
 All of it is pure and sans-IO (no mlx; only `calibration` reads a clock, through the
-callables it is handed). The mlx side lives in melix_mlx.calibrate (the timed forwards) and
-melix_mlx.activation (measure, decide, build the controller, complete the receipt).
+callables it is handed). The mlx side lives in melix_mlx.runtime.calibrate (the timed forwards) and
+melix_mlx.decoding.activation (measure, decide, build the controller, complete the receipt).
 Import from the submodule that owns a name; this package re-exports nothing.
 """

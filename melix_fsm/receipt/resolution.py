@@ -74,7 +74,7 @@ def resolve(
     """Decide one speculative start and drive its lifecycle machine from `requested`.
 
     `sidecar` is the contract report of an MTP pack offered for this target
-    (melix_fsm.sidecar; melix_mlx.sidecar runs the checks): the head then comes from the
+    (melix_fsm.sidecar; melix_mlx.loading.sidecar runs the checks): the head then comes from the
     pack, admitted only when every check passed, else refused as `unvalidated_sidecar`.
 
     `machine` is the row's machine (a fresh one is made when omitted); it must be in the

@@ -55,7 +55,7 @@ Rules this recipe keeps:
   (``model_type`` ``qwen3_5`` with ``text_config``; GatedDeltaNet linear-attention layers
   and a full-attention layer every ``--full-attention-interval``). The main model is
   ``mlx_lm.models.qwen3_5.Model`` itself and the head is the project's own
-  ``melix_mlx.heads.qwen3_5.MTPHead`` (``fc(cat[norm_e(emb), norm_h(h)])`` -> one
+  ``melix_mlx.loading.heads.qwen3_5.MTPHead`` (``fc(cat[norm_e(emb), norm_h(h)])`` -> one
   full-attention layer -> ``mtp.norm`` -> the main lm_head), so both train with the forward
   inference runs. Saved in the Hugging Face layout: ``model.language_model.*``, conv1d as
   ``[C, 1, K]``, every (1+w) RMSNorm stored as w, the head under ``mtp.*`` inside

@@ -51,7 +51,7 @@ def grow_layers(new: list[nn.Module], old: list[nn.Module], interval: int) -> li
 def stored_head(path: Path, family: str, args: Any) -> dict[str, mx.array]:
     """The head's own tensors of checkpoint ``path`` under the training head's names."""
     if family == "qwen3_5":
-        from melix_mlx.heads.qwen3_5 import from_hf
+        from melix_mlx.loading.heads.qwen3_5 import from_hf
 
         raw = mx.load(str(path / "model.safetensors"))
         return {k: v.astype(mx.float32) for k, v in from_hf(raw, {}).items()}

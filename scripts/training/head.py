@@ -30,7 +30,7 @@ from .progress import LossCurve
 def decoder_chain(family: str) -> str:
     """The hidden the project's decoder chains at depth > 1 for ``family``: "post" (after
     the head's final norm) or "pre" (the head layer's output), from the head class itself."""
-    from melix_mlx.heads import HEAD_CLASSES
+    from melix_mlx.loading.heads import HEAD_CLASSES
 
     return "post" if HEAD_CLASSES[family].CHAIN_POST_NORM else "pre"
 

@@ -4,7 +4,7 @@ training head, and the Hugging Face names the checkpoint is saved under.
 ``model_type`` ``qwen3_5`` with ``text_config``; GatedDeltaNet linear-attention layers and a
 full-attention layer every ``--full-attention-interval``. The main model is
 ``mlx_lm.models.qwen3_5.Model`` itself and the head is the project's own
-``melix_mlx.heads.qwen3_5.MTPHead``, so both train with the forward inference runs. Saved
+``melix_mlx.loading.heads.qwen3_5.MTPHead``, so both train with the forward inference runs. Saved
 as ``model.language_model.*``, conv1d as ``[C, 1, K]``, every (1+w) RMSNorm stored as w, the
 head under ``mtp.*`` inside ``model.safetensors``.
 """
@@ -100,7 +100,7 @@ def qwen3_5_head(text: Any) -> Any:
     """The project's own Qwen3.5 head module (the inference forward), wired to ``text``'s
     embedding and lm_head, with the ``hidden`` / ``shared_head.norm`` interface of
     ``MTPHead`` above. Its parameters are the head's own only."""
-    from melix_mlx.heads.qwen3_5 import MTPHead as Qwen3_5Head
+    from melix_mlx.loading.heads.qwen3_5 import MTPHead as Qwen3_5Head
 
     class TrainHead(Qwen3_5Head):
         @property

@@ -5,7 +5,7 @@ Rules:
 - ``tiny_dirs``: {family: Path} of the default tiny HF-layout checkpoint (seed 0).
 - ``tiny_checkpoint(family, seed=0, **make_tiny_kwargs) -> Path``: any variant, built
   once per distinct arguments and cached for the session.
-- ``converted_dirs``: {family: Path} of ``melix_mlx.convert`` output (unquantized).
+- ``converted_dirs``: {family: Path} of ``melix_mlx.loading.convert`` output (unquantized).
 - ``loaded_heads``: {family: (model, tokenizer, head, info)} from the HF dirs.
 - Fixture directories are shared: tests must copy before modifying them.
 """
@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
-from melix_mlx.tiny import FAMILIES, make_tiny  # noqa: E402
+from melix_mlx.tools.tiny import FAMILIES, make_tiny  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +46,7 @@ def tiny_dirs(tiny_checkpoint: Callable[..., Path]) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def converted_dirs(tiny_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from melix_mlx.convert import convert
+    from melix_mlx.loading.convert import convert
 
     root = tmp_path_factory.mktemp("converted")
     return {family: convert(path, root / family) for family, path in tiny_dirs.items()}

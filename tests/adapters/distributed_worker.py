@@ -3,7 +3,7 @@
     mlx.launch --backend ring -n 2 -- python distributed_worker.py run MODEL SHARDING OUT PROMPTS
     mlx.launch --backend ring -n 2 -- python distributed_worker.py fail MODEL SHARDING OUT
 
-`run`: every rank loads the checkpoint sharded (melix_mlx.distributed), calibrates under
+`run`: every rank loads the checkpoint sharded (melix_mlx.runtime.distributed), calibrates under
 the auto policy (rank 0's figures: the receipt), decodes one prompt greedily with MTP
 through `mtp_stream_generate` (speculation forced on, depth chosen live) and the same prompt with
 mlx-lm's own `stream_generate` on the same sharded model, and writes OUT/rank{r}.json.
@@ -30,9 +30,9 @@ MAX_TOKENS = 20
 
 
 def _decode(model_dir: str, sharding: str, *, processors=None, policy: str = "auto") -> dict:
-    from melix_mlx.activation import evaluate
-    from melix_mlx.distributed import load_sharded
+    from melix_mlx.decoding.activation import evaluate
     from melix_mlx.generate import mtp_stream_generate
+    from melix_mlx.runtime.distributed import load_sharded
     from mlx_lm.generate import stream_generate
 
     from melix_fsm.config import speculative_config
@@ -98,7 +98,7 @@ def sampled(model_dir: str, sharding: str, out: Path, prompts: str) -> int:
 
 
 def fail(model_dir: str, sharding: str) -> int:
-    from melix_mlx.distributed import run_ranks
+    from melix_mlx.runtime.distributed import run_ranks
 
     rank = mx.distributed.init().rank()
     calls = [0]

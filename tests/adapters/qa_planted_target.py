@@ -27,7 +27,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
-from melix_mlx.sampling import make_sampler, probabilities
+from melix_mlx.runtime.sampling import make_sampler, probabilities
 from mlx_lm.generate import BatchGenerator, generate_step
 
 

@@ -1,4 +1,4 @@
-"""Joining rows prefilled together (melix_mlx.prefill.prefill_together, batch_prompts.prepare_rows).
+"""Joining rows prefilled together (melix_mlx.runtime.prefill.prefill_together, batch_prompts.prepare_rows).
 
 What holds: one joint prefill of prompts of different lengths (1 token included) gives
 every row the hidden states, last logits and cache that prefilling it alone gives (to
@@ -19,10 +19,10 @@ pytest.importorskip("mlx_lm")
 
 from melix_mlx import rollback  # noqa: E402
 from melix_mlx.batch_generator import MTPBatchGenerator  # noqa: E402
-from melix_mlx.batch_prompts import join_groups  # noqa: E402
-from melix_mlx.batch_rows import InsertRequest  # noqa: E402
-from melix_mlx.prefill import prefill_together, prefill_with_hidden  # noqa: E402
-from melix_mlx.tiny import FAMILIES  # noqa: E402
+from melix_mlx.decoding.batch_prompts import join_groups  # noqa: E402
+from melix_mlx.decoding.batch_rows import InsertRequest  # noqa: E402
+from melix_mlx.runtime.prefill import prefill_together, prefill_with_hidden  # noqa: E402
+from melix_mlx.tools.tiny import FAMILIES  # noqa: E402
 from mlx_lm.generate import BatchGenerator, StopSequences, _merge_caches, generate_step  # noqa: E402
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache  # noqa: E402
 
@@ -107,7 +107,7 @@ def _request(uid: int, n: int) -> InsertRequest:
 def test_the_generator_prefills_fresh_requests_together_and_a_cached_one_alone(
     loaded_heads, family: str, monkeypatch
 ) -> None:
-    import melix_mlx.batch_admission as bg  # where admission calls the prefill
+    import melix_mlx.decoding.batch_admission as bg  # where admission calls the prefill
 
     model, _, head, _ = loaded_heads[family]
     n = 12
@@ -149,7 +149,7 @@ def test_rotating_caches_decode_as_mlx_lm_batch_generator(loaded_heads, family: 
     they did not (its batch caches window a padded joint prefill differently from one
     row's cache): mimo's rows then differed from their first or second token on. With
     windowed caches every fresh prompt joins one group, however unlike their lengths."""
-    import melix_mlx.batch_admission as bg  # where admission calls the prefill
+    import melix_mlx.decoding.batch_admission as bg  # where admission calls the prefill
 
     model, _, head, _ = loaded_heads[family]
     long = [(7 * i) % 200 + 1 for i in range(24)]  # unlike length: joined anyway, as mlx-lm joins

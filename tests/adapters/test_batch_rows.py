@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from melix_mlx.batch_generator import MTPBatchGenerator
-from melix_mlx.sampling import make_sampler
+from melix_mlx.runtime.sampling import make_sampler
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors

@@ -28,7 +28,7 @@ from hypothesis.stateful import (
 )
 from melix_mlx.batch_generator import MTPBatchGenerator
 from melix_mlx.loading import load_with_heads
-from melix_mlx.tiny import make_tiny
+from melix_mlx.tools.tiny import make_tiny
 from mlx_lm.generate import StopSequences, generate_step
 
 from melix_fsm import invariants

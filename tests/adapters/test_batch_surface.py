@@ -1,4 +1,4 @@
-"""MTPBatchGenerator's server-facing surface (melix_mlx.batch_surface) on the embedded checkpoint.
+"""MTPBatchGenerator's server-facing surface (melix_mlx.decoding.batch_surface) on the embedded checkpoint.
 
 insert_segments (tokens equal to `insert` and to mlx-lm's generator; one boundary per call,
 with an immutable cache copy at exactly that boundary), prompt caches in and out (a
@@ -19,8 +19,8 @@ pytest.importorskip("mlx_lm")
 
 from melix_mlx import batch_surface  # noqa: E402
 from melix_mlx.batch_generator import MTPBatchGenerator  # noqa: E402
-from melix_mlx.batch_surface import RequestFailed  # noqa: E402
-from melix_mlx.checkpoints import EMBEDDED  # noqa: E402
+from melix_mlx.decoding.batch_surface import RequestFailed  # noqa: E402
+from melix_mlx.loading.checkpoints import EMBEDDED  # noqa: E402
 from mlx_lm.generate import BatchGenerator  # noqa: E402
 
 CKPT = EMBEDDED["stdlib-tiny"]
@@ -147,7 +147,7 @@ def test_prompt_cache_nbytes_and_stats(loaded: tuple, prompts: list) -> None:
 
 
 def test_a_failing_prefill_drops_only_its_request(loaded: tuple, prompts: list, monkeypatch) -> None:
-    import melix_mlx.batch_admission as bg  # where admission calls the prefill
+    import melix_mlx.decoding.batch_admission as bg  # where admission calls the prefill
 
     model, _, head = loaded
     ref = MTPBatchGenerator(model, head, num_draft_tokens=2)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import math
 
-from melix_mlx.bench import Bench, _interleaved
-from melix_mlx.bench_results import AUTO_COUNTERS, Cell
-from melix_mlx.checkpoints import resolve_model
-from melix_mlx.cycle_clock import CycleClock
-from melix_mlx.workloads import Prompt
+from melix_mlx.loading.checkpoints import resolve_model
+from melix_mlx.runtime.cycle_clock import CycleClock
+from melix_mlx.tools.bench import Bench, _interleaved
+from melix_mlx.tools.bench_results import AUTO_COUNTERS, Cell
+from melix_mlx.tools.workloads import Prompt
 
 from melix_fsm.counters import Counters
 from melix_fsm.policy.cost_model import Timings, TimingTable

@@ -1,6 +1,6 @@
 """The benchmark report renders every cell in columns that line up with its header.
 
-Nothing here measures: the report is a pure function of `melix_mlx.bench.run`'s plain
+Nothing here measures: the report is a pure function of `melix_mlx.tools.bench.run`'s plain
 data, so the tests feed it cells built from the harness's own dataclasses.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from melix_mlx.bench_report import markdown, table
-from melix_mlx.bench_results import Cell, DraftCell
+from melix_mlx.tools.bench_report import markdown, table
+from melix_mlx.tools.bench_results import Cell, DraftCell
 
 REGIME = {
     "device": "cpu",

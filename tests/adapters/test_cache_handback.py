@@ -14,14 +14,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from decode_refs import mtp, reference
-from melix_mlx.acceptance import cap_accepted
 from melix_mlx.batch_generator import MTPBatchGenerator
-from melix_mlx.engine import CycleEngine
-from melix_mlx.engine_records import RowPlan
-from melix_mlx.hidden import main_parts
-from melix_mlx.sampling import SamplingParams
-from melix_mlx.tiny import FAMILIES
-from melix_mlx.tiny_tokenizer import VOCAB_SIZE
+from melix_mlx.runtime.acceptance import cap_accepted
+from melix_mlx.runtime.engine import CycleEngine
+from melix_mlx.runtime.engine_records import RowPlan
+from melix_mlx.runtime.hidden import main_parts
+from melix_mlx.runtime.sampling import SamplingParams
+from melix_mlx.tools.tiny import FAMILIES
+from melix_mlx.tools.tiny_tokenizer import VOCAB_SIZE
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from scripted_head import ScriptedHead
 

@@ -1,5 +1,5 @@
 """Verify-time layer variants against mlx-lm itself: recurrent state captured inside the
-verify (melix_mlx.capture) and latent attention in its absorbed form (melix_mlx.absorbed_mla).
+verify (melix_mlx.runtime.capture) and latent attention in its absorbed form (melix_mlx.runtime.absorbed_mla).
 
 - The capturing layer's outputs and final caches equal mlx-lm's own layer bit for bit
   (max |diff| = 0) for blocks of 1..4 tokens, single and batched.
@@ -18,8 +18,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from melix_mlx import capture
-from melix_mlx.hidden import forward_with_hidden
 from melix_mlx.loading import load_with_heads
+from melix_mlx.runtime.hidden import forward_with_hidden
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 

@@ -108,13 +108,13 @@ def plot_extra(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bench_writes_to_the_cache_directory_by_default(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import melix_mlx.bench
-    from melix_mlx.errors import HeadLoadError
+    import melix_mlx.tools.bench
+    from melix_mlx.loading.errors import HeadLoadError
 
     def refuse(*args: object, **kwargs: object) -> dict:
         raise HeadLoadError("stopped before measuring")
 
-    monkeypatch.setattr(melix_mlx.bench, "run", refuse)
+    monkeypatch.setattr(melix_mlx.tools.bench, "run", refuse)
     monkeypatch.setenv("MELIX_FSM_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     assert main(["bench", "--batch-sizes", "1", "--no-progress"]) == 3
@@ -128,9 +128,9 @@ def test_bench_writes_to_the_cache_directory_by_default(
 def test_bench_takes_embedded_names_and_refuses_unknown_ones_before_any_work(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import melix_mlx.bench
-    from melix_mlx.checkpoints import resolve_model
-    from melix_mlx.errors import HeadLoadError
+    import melix_mlx.tools.bench
+    from melix_mlx.loading.checkpoints import resolve_model
+    from melix_mlx.loading.errors import HeadLoadError
 
     seen: dict = {}
 
@@ -138,7 +138,7 @@ def test_bench_takes_embedded_names_and_refuses_unknown_ones_before_any_work(
         seen.update(model=model_dir, draft=kwargs["draft_dir"])
         raise HeadLoadError("stopped before measuring")
 
-    monkeypatch.setattr(melix_mlx.bench, "run", record)
+    monkeypatch.setattr(melix_mlx.tools.bench, "run", record)
     out = ["--out", str(tmp_path / "out"), "--no-progress"]
     assert main(["bench", "--model", "stdlib-hybrid", "--draft-model", "stdlib-tiny-draft", *out]) == 3
     assert seen == {"model": resolve_model("stdlib-hybrid"), "draft": resolve_model("stdlib-tiny-draft")}

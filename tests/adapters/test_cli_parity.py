@@ -32,7 +32,7 @@ SERVING = {"quantized_kv", "chunked_prefill", "batched"}
 KV = {"kv_bits", "kv_group_size", "quantized_kv_start"}  # mlx-lm's own names
 DECODE = KV | {"max_kv_size", "prefill_step_size", "max_tokens"}
 SAMPLING = {"temp", "top_p", "seed"}  # make_sampler / mx.random.seed, as mlx-lm's CLI
-DISTRIBUTED = {"sharding"}  # melix_mlx.distributed.load_sharded(model_dir, sharding, ...)
+DISTRIBUTED = {"sharding"}  # melix_mlx.runtime.distributed.load_sharded(model_dir, sharding, ...)
 CLI_ONLY = {"help", "model", "prompt", "prompts_file", "json", "receipt", "stagger", "run"}
 LOADING = {"mtp_sidecar": "sidecar"}  # CLI dest -> load_with_heads keyword
 
@@ -66,7 +66,7 @@ def test_every_setting_has_an_api_keyword() -> None:
     unmapped = dests - SPECULATIVE - SERVING - DECODE - SAMPLING - DISTRIBUTED - CLI_ONLY - set(LOADING)
     assert not unmapped, f"options with no API keyword in this test's map: {unmapped}"
     assert set(inspect.signature(load_with_heads).parameters) >= set(LOADING.values())
-    from melix_mlx.distributed import load_sharded
+    from melix_mlx.runtime.distributed import load_sharded
 
     assert set(inspect.signature(load_sharded).parameters) >= DISTRIBUTED
     config_kw = set(inspect.signature(speculative_config).parameters)
@@ -89,7 +89,7 @@ def test_every_setting_has_an_api_keyword() -> None:
     ],
 )
 def test_generate_receipt_equals_receipt_command_and_api(tiny_checkpoint, flags, capsys) -> None:
-    from melix_mlx.checkpoints import resolve_model
+    from melix_mlx.loading.checkpoints import resolve_model
 
     model = str(Path(tiny_checkpoint("mimo", hidden_size=128)).resolve())
     draft = str(resolve_model("stdlib-tiny-draft"))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from compat_models import make_llama, make_sidecar
 from decode_refs import reference
-from melix_mlx.checkpoints import resolve_model
+from melix_mlx.loading.checkpoints import resolve_model
 from mlx_lm.utils import load_model
 
 from melix_fsm.cli import main

@@ -26,12 +26,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from decode_refs import mtp
-from melix_mlx.checkpoints import resolve_model
 from melix_mlx.decode import MTPDecoder
-from melix_mlx.hidden import main_parts
 from melix_mlx.loading import load_with_heads
-from melix_mlx.sampling import make_sampler, normalize_logits, params_of, probabilities
-from melix_mlx.tiny_tokenizer import VOCAB_SIZE
+from melix_mlx.loading.checkpoints import resolve_model
+from melix_mlx.runtime.hidden import main_parts
+from melix_mlx.runtime.sampling import make_sampler, normalize_logits, params_of, probabilities
+from melix_mlx.tools.tiny_tokenizer import VOCAB_SIZE
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from scripted_head import ScriptedHead
@@ -104,7 +104,7 @@ def test_greedy_mismatch_rate_quick(dtype: str, record_property) -> None:
 @pytest.mark.parametrize("name", ["stdlib-tiny", "stdlib-hybrid"])
 def test_greedy_mismatch_sweep(name: str, dtype: str, record_property) -> None:
     """The embedded trained checkpoints with their own heads on held-out prompts."""
-    from melix_mlx.workloads import held_out_prompts
+    from melix_mlx.tools.workloads import held_out_prompts
 
     model, tokenizer, head, _ = load_with_heads(resolve_model(name))
     cast(model, head, dtype)

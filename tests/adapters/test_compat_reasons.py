@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from compat_models import make_llama, make_sidecar
-from melix_mlx.checkpoints import resolve_model
+from melix_mlx.loading.checkpoints import resolve_model
 
 from melix_fsm.config import speculative_config
 from melix_fsm.reasons import RefusalReason, reason_of
@@ -55,8 +55,8 @@ def _missing_head(tmp: Path) -> RefusalReason | None:
 
 
 def _head_shape(tmp: Path) -> RefusalReason | None:
-    from melix_mlx.errors import HeadLoadError
     from melix_mlx.loading import load_with_heads
+    from melix_mlx.loading.errors import HeadLoadError
 
     path = _copy(_tiny(), tmp / "bad-shape")
     tensors = mx.load(str(path / "mtp.safetensors"))
@@ -113,7 +113,7 @@ class _TwoRanks:
 
 
 def _sharding(tmp: Path) -> RefusalReason | None:
-    from melix_mlx.distributed import ShardingRefused, load_sharded
+    from melix_mlx.runtime.distributed import ShardingRefused, load_sharded
 
     with pytest.raises(ShardingRefused) as err:  # 3 attention heads over 2 ranks
         load_sharded(_tiny(), "tensor", _TwoRanks())

@@ -13,10 +13,10 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from decode_refs import mtp, reference
-from melix_mlx.hidden import main_parts
 from melix_mlx.loading import load_with_heads
-from melix_mlx.tiny_tokenizer import VOCAB_SIZE
-from melix_mlx.window_kv import WindowedKVCache
+from melix_mlx.runtime.hidden import main_parts
+from melix_mlx.runtime.window_kv import WindowedKVCache
+from melix_mlx.tools.tiny_tokenizer import VOCAB_SIZE
 from mlx_lm.models.cache import make_prompt_cache
 from scripted_head import ScriptedHead
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from compat_models import make_llama
 from decode_refs import mtp, reference
-from melix_mlx.draft_model import DraftHead
-from melix_mlx.window_kv import WindowedKVCache
+from melix_mlx.decoding.draft_model import DraftHead
+from melix_mlx.runtime.window_kv import WindowedKVCache
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import load_model
 from scripted_head import ScriptedHead

@@ -15,9 +15,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from decode_refs import mtp, reference
-from melix_mlx.hidden import main_parts
-from melix_mlx.tiny import FAMILIES
-from melix_mlx.tiny_tokenizer import VOCAB_SIZE
+from melix_mlx.runtime.hidden import main_parts
+from melix_mlx.tools.tiny import FAMILIES
+from melix_mlx.tools.tiny_tokenizer import VOCAB_SIZE
 from mlx_lm.sample_utils import make_logits_processors
 from scripted_head import ScriptedHead
 

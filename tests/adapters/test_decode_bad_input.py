@@ -18,8 +18,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from melix_mlx.errors import HeadLoadError, HeadShapeMismatch, MissingHeadWeights
 from melix_mlx.loading import load_with_heads
+from melix_mlx.loading.errors import HeadLoadError, HeadShapeMismatch, MissingHeadWeights
 
 from melix_fsm.cli import main
 
@@ -148,7 +148,7 @@ def test_prompts_the_model_cannot_read_are_refused_before_any_forward(loaded_hea
     decoders refuse them, typed, and the batch generator queues nothing."""
     from melix_mlx.batch_generator import MTPBatchGenerator
     from melix_mlx.decode import MTPDecoder
-    from melix_mlx.errors import InvalidPrompt
+    from melix_mlx.loading.errors import InvalidPrompt
 
     model, _, head, _ = loaded_heads["mimo"]
     decoder = MTPDecoder(model, head)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 from decode_refs import mtp, reference
-from melix_mlx.convert import convert
-from melix_mlx.hidden import main_parts
 from melix_mlx.loading import load_with_heads
-from melix_mlx.tiny import FAMILIES
-from melix_mlx.tiny_tokenizer import VOCAB_SIZE
+from melix_mlx.loading.convert import convert
+from melix_mlx.runtime.hidden import main_parts
+from melix_mlx.tools.tiny import FAMILIES
+from melix_mlx.tools.tiny_tokenizer import VOCAB_SIZE
 from scripted_head import ScriptedHead
 
 PROMPTS = [[72, 101, 108, 108, 111, 44, 32, 119], [5, 17, 33, 2, 9, 41, 7, 8, 9]]

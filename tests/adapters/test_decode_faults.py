@@ -8,15 +8,15 @@ output equals mlx-lm's, and the stats record one fault with its message.
 
 from __future__ import annotations
 
-import melix_mlx.engine as engine_mod
+import melix_mlx.runtime.engine as engine_mod
 import mlx.core as mx
 import pytest
 from decode_refs import mtp, reference
 from melix_mlx.decode import MTPDecoder
 from melix_mlx.generate import mtp_stream_generate
-from melix_mlx.hidden import forward_with_hidden, main_parts
-from melix_mlx.tiny import FAMILIES
-from melix_mlx.tiny_tokenizer import VOCAB_SIZE
+from melix_mlx.runtime.hidden import forward_with_hidden, main_parts
+from melix_mlx.tools.tiny import FAMILIES
+from melix_mlx.tools.tiny_tokenizer import VOCAB_SIZE
 from scripted_head import ScriptedHead
 
 N = 20

@@ -16,8 +16,8 @@ from decode_refs import cut_at_stop, mtp, reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from melix_mlx.generate import mtp_generate_step, mtp_stream_generate
-from melix_mlx.tiny import FAMILIES
-from melix_mlx.tiny_tokenizer import VOCAB_SIZE
+from melix_mlx.tools.tiny import FAMILIES
+from melix_mlx.tools.tiny_tokenizer import VOCAB_SIZE
 from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors

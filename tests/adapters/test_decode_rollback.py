@@ -11,7 +11,7 @@ offset, every ArraysCache array), with a fresh cache fed only the confirmed toke
   by one AND to feeding them in the decoder's kept chunks.
 - deepseek_v3 (KVCache, trim): mlx-lm's multi-token latent attention expands the whole
   cached context (a prefill form) and differed from its one-token form by ~2.4e-6. The
-  verify now runs the absorbed one-token form for every row (melix_mlx.absorbed_mla),
+  verify now runs the absorbed one-token form for every row (melix_mlx.runtime.absorbed_mla),
   and its cache equals token-by-token decoding bit for bit; it also equals a clean run
   making the same forwards (the recorded verify chunks, each trimmed to its kept prefix).
 """
@@ -20,16 +20,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import melix_mlx.engine as engine_mod
+import melix_mlx.runtime.engine as engine_mod
 import mlx.core as mx
 import pytest
 from decode_refs import reference
 from melix_mlx import absorbed_mla, rollback
 from melix_mlx.decode import MTPDecoder
-from melix_mlx.hidden import forward_with_hidden, main_parts
-from melix_mlx.prefill import prefill_with_hidden
-from melix_mlx.tiny import FAMILIES
-from melix_mlx.tiny_tokenizer import VOCAB_SIZE
+from melix_mlx.runtime.hidden import forward_with_hidden, main_parts
+from melix_mlx.runtime.prefill import prefill_with_hidden
+from melix_mlx.tools.tiny import FAMILIES
+from melix_mlx.tools.tiny_tokenizer import VOCAB_SIZE
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from scripted_head import ScriptedHead
 

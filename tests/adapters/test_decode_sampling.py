@@ -5,7 +5,7 @@ Setup: a 1-layer tiny mimo model, prompt [72], mlx-lm sampling with temp 1 and t
 cells). The first token t1 comes from the prefill, the second t2 from the first
 speculative cycle (k = 1): a draft from the head's q, accepted with min(1, p/q), else a
 draw from the residual. The exact target joint p(t1) p(t2 | t1) is computed from the
-model with the sampler's own filters (melix_mlx.sampling.probabilities).
+model with the sampler's own filters (melix_mlx.runtime.sampling.probabilities).
 
 The head is a scripted test double (scripted_head.py) with a soft q: mass ~0.6 on the
 target's most likely t2 and the rest on tokens the target may or may not allow, so
@@ -23,14 +23,14 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-import melix_mlx.engine as engine_mod
+import melix_mlx.runtime.engine as engine_mod
 import mlx.core as mx
 import pytest
 from melix_mlx.decode import MTPDecoder
 from melix_mlx.generate import mtp_stream_generate
-from melix_mlx.hidden import main_parts
-from melix_mlx.sampling import make_sampler, normalize_logits, params_of, probabilities
-from melix_mlx.tiny_tokenizer import VOCAB_SIZE
+from melix_mlx.runtime.hidden import main_parts
+from melix_mlx.runtime.sampling import make_sampler, normalize_logits, params_of, probabilities
+from melix_mlx.tools.tiny_tokenizer import VOCAB_SIZE
 from scripted_head import ScriptedHead
 
 ALPHA = 1e-3

@@ -12,7 +12,7 @@ that mlx-lm 0.32 can shard, tensor and pipeline:
   rank 0 only, marked as agreed by every rank, with the single-process tokens;
 - a failure on one rank ends every rank with a non-zero status, the failing one with a
   typed error (the survivor: typed `peer_lost`, or stopped by mlx.launch; see
-  melix_mlx.distributed);
+  melix_mlx.runtime.distributed);
 - what mlx-lm cannot shard is refused with `unsupported_sharding` before any weight is read.
 """
 
@@ -61,7 +61,7 @@ def _single_process(model_dir: Path, prompt: str, max_tokens: int) -> list[int]:
 
 
 def _checkpoint(name: str, tiny_checkpoint) -> Path:
-    from melix_mlx.checkpoints import EMBEDDED
+    from melix_mlx.loading.checkpoints import EMBEDDED
 
     if name in EMBEDDED:
         return EMBEDDED[name]
@@ -135,7 +135,7 @@ def test_sampled_ranks_agree(name: str, sharding: str, tmp_path: Path, tiny_chec
 
 
 def test_failure_on_one_rank_ends_every_rank_typed(tmp_path: Path) -> None:
-    from melix_mlx.checkpoints import EMBEDDED
+    from melix_mlx.loading.checkpoints import EMBEDDED
 
     done = _launch("fail", str(EMBEDDED["stdlib-hybrid"]), "tensor", str(tmp_path), tmp_path=tmp_path)
     errors = {}
@@ -175,7 +175,7 @@ class _Group:
     ],
 )
 def test_unshardable_is_refused_typed(name: str, sharding: str, why: str, tiny_checkpoint) -> None:
-    from melix_mlx.distributed import ShardingRefused, load_sharded
+    from melix_mlx.runtime.distributed import ShardingRefused, load_sharded
 
     from melix_fsm.errors import MelixError
 

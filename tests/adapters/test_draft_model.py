@@ -14,9 +14,9 @@ import mlx.core as mx
 import pytest
 from compat_models import make_llama
 from decode_refs import mtp, reference
-from melix_mlx.checkpoints import resolve_model
-from melix_mlx.draft_model import DraftHead, check_tokenizers, load_draft
-from melix_mlx.errors import UnsupportedServing
+from melix_mlx.decoding.draft_model import DraftHead, check_tokenizers, load_draft
+from melix_mlx.loading.checkpoints import resolve_model
+from melix_mlx.loading.errors import UnsupportedServing
 from mlx_lm.generate import speculative_generate_step
 from mlx_lm.utils import load_model, load_tokenizer
 

@@ -22,12 +22,12 @@ import mlx_lm
 import pytest
 from decode_refs import mtp, reference
 from melix_mlx.batch_generator import MTPBatchGenerator
-from melix_mlx.convert import convert
-from melix_mlx.heads import HEAD_CLASSES
-from melix_mlx.hidden import forward_with_hidden, main_parts
 from melix_mlx.loading import load_with_heads, safetensors_keys
-from melix_mlx.tiny import ALL_FAMILIES, MORE_FAMILIES
-from melix_mlx.tiny_tokenizer import VOCAB_SIZE
+from melix_mlx.loading.convert import convert
+from melix_mlx.loading.heads import HEAD_CLASSES
+from melix_mlx.runtime.hidden import forward_with_hidden, main_parts
+from melix_mlx.tools.tiny import ALL_FAMILIES, MORE_FAMILIES
+from melix_mlx.tools.tiny_tokenizer import VOCAB_SIZE
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 from scripted_head import ScriptedHead

@@ -90,7 +90,7 @@ def test_families_without_a_head_module_are_refused_typed(tiny_dirs, tmp_path, f
     import json
     import shutil
 
-    from melix_mlx.errors import UnsupportedModel
+    from melix_mlx.loading.errors import UnsupportedModel
 
     path = shutil.copytree(tiny_dirs["deepseek_v3"], tmp_path / family)
     config = json.loads((path / "config.json").read_text())

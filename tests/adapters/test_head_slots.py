@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from melix_mlx.engine import CycleEngine
-from melix_mlx.hidden import forward_with_hidden
-from melix_mlx.tiny import FAMILIES
+from melix_mlx.runtime.engine import CycleEngine
+from melix_mlx.runtime.hidden import forward_with_hidden
+from melix_mlx.tools.tiny import FAMILIES
 from mlx_lm.models.cache import make_prompt_cache
 
 PROMPT = "The quick brown fox jumps over the lazy dog, then naps in the sun."

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from melix_mlx.families import text_config
-from melix_mlx.heads import FAMILY_MODULES, HEAD_CLASSES
-from melix_mlx.tiny import ALL_FAMILIES
+from melix_mlx.loading.families import text_config
+from melix_mlx.loading.heads import FAMILY_MODULES, HEAD_CLASSES
+from melix_mlx.tools.tiny import ALL_FAMILIES
 
 from melix_fsm.registry import Chain, NormRepair, Support, registry
 

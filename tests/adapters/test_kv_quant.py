@@ -15,9 +15,9 @@ import json
 import mlx.core as mx
 import pytest
 from decode_refs import mtp, reference
-from melix_mlx.hidden import main_parts
 from melix_mlx.loading import load_with_heads
-from melix_mlx.tiny_tokenizer import VOCAB_SIZE
+from melix_mlx.runtime.hidden import main_parts
+from melix_mlx.tools.tiny_tokenizer import VOCAB_SIZE
 from mlx_lm.models.cache import QuantizedKVCache
 from scripted_head import ScriptedHead
 
@@ -119,7 +119,7 @@ def test_mla_refused_from_registry(tiny_checkpoint) -> None:
 
 def test_batched_quantized_kv_refused_typed(mimo) -> None:
     from melix_mlx.batch_generator import MTPBatchGenerator
-    from melix_mlx.errors import UnsupportedServing
+    from melix_mlx.loading.errors import UnsupportedServing
 
     path, model, _, head, _ = mimo
     batched = ServingContext(quantized_kv=True, batched=True)
@@ -197,7 +197,7 @@ def test_group_size_not_dividing_the_head_dim_is_refused_before_weights(mimo, mo
 def test_library_decoder_refuses_a_group_size_not_dividing_the_head_dim(mimo) -> None:
     """The API path too: typed at construction, before any forward (mlx would fail mid-decode)."""
     from melix_mlx.decode import MTPDecoder
-    from melix_mlx.errors import UnsupportedServing
+    from melix_mlx.loading.errors import UnsupportedServing
 
     _, model, _, head, _ = mimo
     with pytest.raises(UnsupportedServing) as info:

@@ -18,10 +18,10 @@ import mlx.core as mx
 import pytest
 from decode_refs import mtp, reference
 from melix_mlx.batch_generator import MTPBatchGenerator
-from melix_mlx.convert import convert
-from melix_mlx.heads.stacked import StackedHead
-from melix_mlx.hidden import main_parts
 from melix_mlx.loading import load_with_heads, safetensors_keys
+from melix_mlx.loading.convert import convert
+from melix_mlx.loading.heads.stacked import StackedHead
+from melix_mlx.runtime.hidden import main_parts
 from mlx.utils import tree_flatten, tree_map
 
 from melix_fsm.cli import main

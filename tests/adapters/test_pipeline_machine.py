@@ -16,7 +16,7 @@ import mlx.core as mx
 import pytest
 from decode_refs import mtp, reference
 from melix_mlx.decode import MTPDecoder
-from melix_mlx.engine_records import RowPlan
+from melix_mlx.runtime.engine_records import RowPlan
 
 from melix_fsm.errors import IllegalTransition
 from melix_fsm.machine import build_oracle

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 from decode_refs import reference
 from melix_mlx.batch_generator import MTPBatchGenerator
-from melix_mlx.hidden import main_parts
-from melix_mlx.tiny_tokenizer import VOCAB_SIZE
+from melix_mlx.runtime.hidden import main_parts
+from melix_mlx.tools.tiny_tokenizer import VOCAB_SIZE
 from scripted_head import ScriptedHead
 
 FAST, SLOW = [5, 17, 33, 2, 9, 41, 7], [100, 3, 8]

@@ -259,8 +259,8 @@ def test_shared_uniform_on_the_real_engine(monkeypatch: pytest.MonkeyPatch, bias
     """
     import mlx.core as mx
     import qa_planted_target
-    from melix_mlx.qa.probabilities import target_probabilities
-    from melix_mlx.qa.targets import load_model, melix_generator
+    from melix_mlx.tools.qa.probabilities import target_probabilities
+    from melix_mlx.tools.qa.targets import load_model, melix_generator
 
     from melix_fsm.testing import (
         ConformanceError,
@@ -270,7 +270,8 @@ def test_shared_uniform_on_the_real_engine(monkeypatch: pytest.MonkeyPatch, bias
     )
 
     if biased:
-        monkeypatch.setattr("melix_mlx.engine.accept_sampled", qa_planted_target.accept_with_one_uniform)
+        planted = qa_planted_target.accept_with_one_uniform
+        monkeypatch.setattr("melix_mlx.runtime.engine.accept_sampled", planted)
     model, head = load_model("stdlib-tiny", needs_head=True)
     prompt = [40, 90, *mlx_greedy_reference(model)((40, 90), 6)]
     mx.random.seed(0)

@@ -6,7 +6,7 @@ Rules of this file:
   importers (`sys.modules` holds copies of those modules without them), melix's modules
   are dropped from `sys.modules` so they must import again, and 0.31.3's
   `SequenceStateMachine` semantics are installed (qa_toy031.py); melix's modules that
-  need 0.32 (`NEEDS_032`, e.g. melix_mlx.sampling for `greedy_sampler`, which mlx-lm's
+  need 0.32 (`NEEDS_032`, e.g. melix_mlx.runtime.sampling for `greedy_sampler`, which mlx-lm's
   own make_sampler still needs here, so it stays) must not be imported at all. Then a
   0.31-style factory that takes the checkpoint path passes, with stops and without (no
   `SequenceStateMachine(None)` false alarm), and the `melix` target (which needs 0.32)
@@ -39,7 +39,7 @@ HIDDEN = (
     ("mlx_lm.generate", "StopSequences"),
 )
 # melix modules that need 0.32 (greedy_sampler and the names above): the kit must not load them
-NEEDS_032 = ("melix_mlx.loading", "melix_mlx.sampling", "melix_mlx.batch_generator")
+NEEDS_032 = ("melix_mlx.loading", "melix_mlx.runtime.sampling", "melix_mlx.batch_generator")
 
 
 @pytest.fixture(scope="module")

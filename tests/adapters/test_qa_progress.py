@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from melix_mlx.qa.progress import Progress
+from melix_mlx.tools.qa.progress import Progress
 
 
 class Terminal(io.StringIO):

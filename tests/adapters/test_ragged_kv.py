@@ -1,4 +1,4 @@
-"""Per-row rollback without moving data (melix_mlx.ragged_kv).
+"""Per-row rollback without moving data (melix_mlx.runtime.ragged_kv).
 
 - A batch whose rows dropped different numbers of entries attends exactly like a batch
   built from the kept tokens alone: the next forward's logits match (max |diff| = 0 for
@@ -13,7 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from melix_mlx import ragged_kv, rollback
-from melix_mlx.hidden import forward_with_hidden
+from melix_mlx.runtime.hidden import forward_with_hidden
 from mlx_lm.generate import _merge_caches
 from mlx_lm.models.cache import make_prompt_cache
 

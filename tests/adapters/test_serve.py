@@ -21,7 +21,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("prometheus_client")
 
-from melix_mlx.checkpoints import EMBEDDED  # noqa: E402
+from melix_mlx.loading.checkpoints import EMBEDDED  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 CKPT = EMBEDDED["stdlib-tiny"]

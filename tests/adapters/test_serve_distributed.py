@@ -30,7 +30,7 @@ import pytest
 
 pytest.importorskip("openai")
 
-from melix_mlx.checkpoints import EMBEDDED  # noqa: E402
+from melix_mlx.loading.checkpoints import EMBEDDED  # noqa: E402
 from serve_helpers import client, raw, serving  # noqa: E402
 from sharded_server import ShardedServer, exit_codes  # noqa: E402
 

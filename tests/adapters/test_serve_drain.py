@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from melix_mlx.checkpoints import EMBEDDED  # noqa: E402
+from melix_mlx.loading.checkpoints import EMBEDDED  # noqa: E402
 from serve_helpers import TIMEOUT_S, client, host_port, metric, raw, serving, wait_until  # noqa: E402
 
 CKPT = EMBEDDED["stdlib-tiny"]

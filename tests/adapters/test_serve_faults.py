@@ -20,7 +20,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("prometheus_client")
 
-from melix_mlx.checkpoints import EMBEDDED  # noqa: E402
+from melix_mlx.loading.checkpoints import EMBEDDED  # noqa: E402
 
 CKPT = EMBEDDED["stdlib-tiny"]
 TIMEOUT_S = 60.0

@@ -18,7 +18,7 @@ schemathesis = pytest.importorskip("schemathesis")
 pytest.importorskip("fastapi")
 
 from hypothesis import HealthCheck, settings  # noqa: E402
-from melix_mlx.checkpoints import EMBEDDED  # noqa: E402
+from melix_mlx.loading.checkpoints import EMBEDDED  # noqa: E402
 from serve_helpers import client, healthy, serving  # noqa: E402
 
 CKPT = EMBEDDED["stdlib-tiny"]

@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from melix_mlx.checkpoints import EMBEDDED  # noqa: E402
+from melix_mlx.loading.checkpoints import EMBEDDED  # noqa: E402
 from serve_helpers import (  # noqa: E402  (tests/adapters is on sys.path)
     assert_error_shape,
     client,

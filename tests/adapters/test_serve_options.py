@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("prometheus_client")
 
-from melix_mlx.checkpoints import EMBEDDED  # noqa: E402
+from melix_mlx.loading.checkpoints import EMBEDDED  # noqa: E402
 
 from melix_fsm.cli import build_parser, main  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Sidecar packs admitted by contract (melix_fsm.sidecar, melix_mlx.sidecar).
+"""Sidecar packs admitted by contract (melix_fsm.sidecar, melix_mlx.loading.sidecar).
 
 The trained Qwen3.5-hybrid checkpoint is split into a head-less target and a
 ``qwen3_5_mtp`` pack (head tensors only, HF names, its own config.json):
@@ -24,9 +24,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from decode_refs import mtp, reference
-from melix_mlx.checkpoints import EMBEDDED
-from melix_mlx.errors import UnvalidatedSidecar
 from melix_mlx.loading import load_with_heads
+from melix_mlx.loading.checkpoints import EMBEDDED
+from melix_mlx.loading.errors import UnvalidatedSidecar
 
 from melix_fsm.reasons import RefusalReason
 from melix_fsm.receipt import resolve
@@ -204,7 +204,7 @@ def test_cli_generate_with_mtp_sidecar(parts, tmp_path, capsys):
 
 def test_converted_format_pack_passes(parts, tmp_path):
     """A pack in the project's converted format (``melix_mtp.*``, norms already repaired)."""
-    from melix_mlx.convert import convert
+    from melix_mlx.loading.convert import convert
 
     target, _ = parts
     converted = convert(SOURCE, tmp_path / "converted")

@@ -1,4 +1,4 @@
-"""The step rules both decoders share (melix_mlx.step_rules), held against the lifecycle.
+"""The step rules both decoders share (melix_mlx.decoding.step_rules), held against the lifecycle.
 
 Rules of this file:
 - Every sequence of signals the rules produce is legal in the lifecycle from the states

@@ -9,17 +9,17 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 import pytest
-from melix_mlx.convert import convert
-from melix_mlx.errors import (
+from melix_mlx.loading import load_with_heads, safetensors_keys
+from melix_mlx.loading.convert import convert
+from melix_mlx.loading.errors import (
     HeadLoadError,
     HeadShapeMismatch,
     MissingHeadWeights,
     UnsupportedModel,
 )
-from melix_mlx.heads import HEAD_CLASSES
-from melix_mlx.hidden import forward_with_hidden
-from melix_mlx.loading import load_with_heads, safetensors_keys
-from melix_mlx.tiny import FAMILIES
+from melix_mlx.loading.heads import HEAD_CLASSES
+from melix_mlx.runtime.hidden import forward_with_hidden
+from melix_mlx.tools.tiny import FAMILIES
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
@@ -215,7 +215,7 @@ def test_missing_head_weights_is_typed(tiny_dirs, tmp_path, family):
 
 
 def _head_keys(family: str, tensors: dict) -> set[str]:
-    from melix_mlx.heads import FAMILY_MODULES
+    from melix_mlx.loading.heads import FAMILY_MODULES
 
     cfg = {"num_hidden_layers": 3}
     return {k for k in tensors if FAMILY_MODULES[family].is_head_key(k, cfg)}

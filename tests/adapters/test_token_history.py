@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from melix_mlx.token_history import TokenHistory
+from melix_mlx.runtime.token_history import TokenHistory
 
 chunks = st.lists(st.lists(st.integers(0, 2**20), max_size=300), max_size=8)
 

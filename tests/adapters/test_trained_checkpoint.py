@@ -284,7 +284,7 @@ def greedy_acceptance(model, head, prompts: np.ndarray, new_tokens: int, depth: 
     head's cache is primed with the prompt's (hidden, next token) pairs, gets one real pair
     per position, chains on the hidden the head returns (its family's convention) and has
     the chained entries trimmed again, as the decoder does after a verify."""
-    from melix_mlx.hidden import main_parts
+    from melix_mlx.runtime.hidden import main_parts
     from mlx_lm.models.cache import make_prompt_cache
 
     parts = main_parts(model)
@@ -320,7 +320,7 @@ def greedy_acceptance(model, head, prompts: np.ndarray, new_tokens: int, depth: 
 
 
 def test_aliases_name_the_embedded_checkpoints(tmp_path: Path, monkeypatch) -> None:
-    from melix_mlx.checkpoints import EMBEDDED, resolve_model
+    from melix_mlx.loading.checkpoints import EMBEDDED, resolve_model
 
     assert resolve_model("stdlib-tiny") == CKPT
     assert resolve_model("stdlib-hybrid") == HYBRID

@@ -26,9 +26,9 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
 
-from melix_mlx.checkpoints import EMBEDDED  # noqa: E402
-from melix_mlx.widen import Sizes, WidenError  # noqa: E402
-from melix_mlx.widen_io import widen_checkpoint  # noqa: E402
+from melix_mlx.loading.checkpoints import EMBEDDED  # noqa: E402
+from melix_mlx.tools.widen import Sizes, WidenError  # noqa: E402
+from melix_mlx.tools.widen_io import widen_checkpoint  # noqa: E402
 
 LOGIT_ATOL = 1e-3
 PROMPTS = [
@@ -125,7 +125,7 @@ def test_norms_stay_exact_with_a_large_eps(source: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("variant", ["hybrid-x2", "tiny-x2"])
 def test_residual_stream_new_dims_are_zero_and_old_dims_scaled(variant: str, widened) -> None:
-    from melix_mlx.hidden import main_parts
+    from melix_mlx.runtime.hidden import main_parts
 
     src, dst = widened(variant)
     a, tok = mlx_lm.load(str(src))
@@ -255,7 +255,7 @@ def test_cli_exits_2_with_one_line(tmp_path: Path) -> None:
 
 def test_preset_alias_is_widened_once_into_the_cache(tmp_path: Path, monkeypatch) -> None:
     from melix_mlx import widen_presets
-    from melix_mlx.checkpoints import resolve_model
+    from melix_mlx.loading.checkpoints import resolve_model
 
     _present("stdlib-tiny")
     monkeypatch.setenv("MELIX_FSM_CACHE", str(tmp_path / "cache"))
@@ -276,9 +276,9 @@ def test_realistic_presets_keep_greedy_tokens(preset: str, tmp_path_factory) -> 
     and the MTP decoder's equal mlx-lm's on the widened model (MELIX_FSM_CACHE is used
     when set, so a prepared cache is not widened again)."""
     from decode_refs import mtp, reference
-    from melix_mlx.checkpoints import resolve_model
     from melix_mlx.loading import load_with_heads
-    from melix_mlx.widen_presets import PRESETS
+    from melix_mlx.loading.checkpoints import resolve_model
+    from melix_mlx.tools.widen_presets import PRESETS
 
     src = _present(PRESETS[preset][0])
     model_a, tok, _, _ = load_with_heads(src)

@@ -23,7 +23,7 @@ from melix_fsm.receipt import HardwareGate, Mode, resolve  # noqa: E402
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from melix_mlx.tiny import make_tiny
+    from melix_mlx.tools.tiny import make_tiny
 
     return make_tiny("deepseek_v3", tmp_path_factory.mktemp("activation") / "deepseek_v3")
 
@@ -140,9 +140,9 @@ def test_real_calibration_keeps_receipt_and_controller_consistent(tiny, loaded):
 
 
 def test_replay_is_priced_only_where_the_engine_replays(loaded, tmp_path):
-    from melix_mlx.activation import replays_on_reject
+    from melix_mlx.decoding.activation import replays_on_reject
     from melix_mlx.loading import load_with_heads
-    from melix_mlx.tiny import make_tiny
+    from melix_mlx.tools.tiny import make_tiny
 
     model = loaded[0]
     assert replays_on_reject(model) is False  # attention only: KV caches trim

@@ -21,7 +21,7 @@ from melix_fsm.policy.errors import CalibrationError
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from melix_mlx.tiny import make_tiny
+    from melix_mlx.tools.tiny import make_tiny
 
     return make_tiny("qwen3_5", tmp_path_factory.mktemp("calib") / "qwen3_5")
 
@@ -40,7 +40,7 @@ def _lengths(cache) -> list:
 
 
 def test_timed_forwards_leave_cache_lengths_fixed(loaded):
-    from melix_mlx.calibrate import build_forwards
+    from melix_mlx.runtime.calibrate import build_forwards
     from mlx_lm.models.cache import make_prompt_cache
 
     model, _, head, _ = loaded
@@ -66,7 +66,7 @@ class _Ticker:
 
 
 def test_calibrate_builds_a_table(loaded):
-    from melix_mlx.calibrate import calibrate
+    from melix_mlx.runtime.calibrate import calibrate
 
     model, _, head, _ = loaded
     table = calibrate(model, head, batch_sizes=(1, 2), k=1, runs=2, warmup=1, timer=_Ticker())
@@ -76,7 +76,7 @@ def test_calibrate_builds_a_table(loaded):
 
 
 def test_calibrate_budget_is_a_typed_timeout(loaded):
-    from melix_mlx.calibrate import calibrate
+    from melix_mlx.runtime.calibrate import calibrate
 
     model, _, head, _ = loaded
     result = calibrate(model, head, batch_sizes=(1,), k=1, runs=50, warmup=0, budget_s=0.01, timer=_Ticker())
@@ -84,7 +84,7 @@ def test_calibrate_budget_is_a_typed_timeout(loaded):
 
 
 def test_agree_is_identity_in_one_process():
-    from melix_mlx.calibrate import agree
+    from melix_mlx.runtime.calibrate import agree
 
     class Solo:
         def size(self) -> int:
@@ -145,7 +145,7 @@ def test_cli_text_and_override(tiny: Path, capsys):
 
 
 def test_cli_refusals(tiny: Path, tmp_path: Path, capsys):
-    from melix_mlx.tiny import make_tiny
+    from melix_mlx.tools.tiny import make_tiny
 
     assert main(["calibrate", "--model", str(tmp_path / "absent")]) == 2
     headless = make_tiny("qwen3_5", tmp_path / "headless", head_in_sidecar=True)
@@ -158,7 +158,7 @@ def test_calibrate_measures_a_slow_window_again_at_each_size_s_own_context(loade
     """The glue: contexts per batch size reach the forwards, and a batch size whose first
     measurement contradicts a larger one is measured again (a fake clock: B=1's first
     forwards take 30 ms, its second 10 ms; B=2's take 12 ms)."""
-    import melix_mlx.calibrate as glue
+    import melix_mlx.runtime.calibrate as glue
 
     clock = _Ticker()
     built: list[tuple[int, int]] = []

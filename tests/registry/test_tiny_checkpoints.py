@@ -1,7 +1,7 @@
 """Cross-check: the registry's prefixes match the adapters' real HF-layout and converted checkpoints.
 
 Skipped without mlx (the core never needs it). The tiny checkpoints come from
-melix_mlx.tiny (upstream tensor names) and melix_mlx.convert (the melix_mtp format).
+melix_mlx.tools.tiny (upstream tensor names) and melix_mlx.loading.convert (the melix_mtp format).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
-from melix_mlx.tiny import make_tiny  # noqa: E402
+from melix_mlx.tools.tiny import make_tiny  # noqa: E402
 
 from melix_fsm.receipt import Mode, resolve  # noqa: E402
 
@@ -29,7 +29,7 @@ def test_tiny_hf_checkpoints_are_admitted(tmp_path: Path, family: str, sidecar: 
 
 
 def test_converted_checkpoint_is_admitted(tmp_path: Path) -> None:
-    from melix_mlx.convert import convert
+    from melix_mlx.loading.convert import convert
 
     out = convert(make_tiny("mimo", tmp_path / "hf", num_hidden_layers=2), tmp_path / "mlx")
     r = resolve(out)

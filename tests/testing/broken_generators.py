@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import melix_mlx.batch_generator as bg
-import melix_mlx.engine as engine_mod
+import melix_mlx.runtime.engine as engine_mod
 import mlx.core as mx
 from melix_mlx.batch_generator import MTPBatchGenerator, MTPResponse
 

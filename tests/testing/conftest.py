@@ -31,7 +31,7 @@ _SCRIPTED_HEAD = Path(__file__).parent.parent / "adapters" / "scripted_head.py"
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Any, Any]]:
     pytest.importorskip("mlx_lm")
     from melix_mlx.loading import load_with_heads
-    from melix_mlx.tiny import make_tiny
+    from melix_mlx.tools.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("conformance-tiny")
     loaded: dict[str, tuple[Any, Any]] = {}
@@ -57,7 +57,7 @@ def scripted(tiny: Callable[[str], tuple[Any, Any]]) -> Callable[..., tuple[Any,
     head_class = _scripted_head_class()
 
     def get(family: str, wrong_every: int | None = 3) -> tuple[Any, Any, Any]:
-        from melix_mlx.tiny_tokenizer import VOCAB_SIZE
+        from melix_mlx.tools.tiny_tokenizer import VOCAB_SIZE
 
         model, _ = tiny(family)
         # the head ignores hidden states; its own hidden output only feeds its next call

@@ -8,10 +8,10 @@ Besides COMMAND_MODULES the core reads (melix_fsm.cli):
 - REQUIRES / DEFAULT_REQUIRES: the modules each command imports beyond the core, with
   the extra that installs them, checked before the command runs;
 - resolve_model: the embedded checkpoints' names, so core commands (`receipt`) accept
-  them too. Importing melix_mlx.checkpoints is cheap (no mlx).
+  them too. Importing melix_mlx.loading.checkpoints is cheap (no mlx).
 """
 
-from melix_mlx.checkpoints import resolve_model
+from melix_mlx.loading.checkpoints import resolve_model
 
 COMMAND_MODULES: tuple[str, ...] = (
     "melix_mlx.commands.generate",

@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from melix_mlx.checkpoints import resolve_model
+    from melix_mlx.loading.checkpoints import resolve_model
 
     args.model = EMBEDDED / "stdlib-tiny" if args.model is None else resolve_model(args.model)
     if args.draft_model is not None:
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
 
         args.out = default_output("bench")
     args.out.mkdir(parents=True, exist_ok=True)
-    from melix_mlx.bench_report import markdown, plot, table
+    from melix_mlx.tools.bench_report import markdown, plot, table
 
     failed: list[int] = []
     if args.regime in ("reference", "openblas", "both"):
@@ -169,42 +169,12 @@ def run(args: argparse.Namespace) -> int:
         if not results:
             return failed[0]
     else:
-        from melix_mlx.bench import run as bench_run
-        from melix_mlx.errors import HeadLoadError
-        from melix_mlx.startup import StartFailed, StartRefused
-        from melix_mlx.workloads import from_file
-
-        try:
-            prompts = from_file(args.prompts) if args.prompts is not None else None
-        except (OSError, ValueError) as exc:
-            print(f"melix-fsm bench: error: --prompts: {exc}", file=sys.stderr)
-            return 2
-        try:
-            data = bench_run(
-                args.model,
-                draft_dir=args.draft_model,
-                batch_sizes=args.batch_sizes,
-                ks=args.ks,
-                temps=args.temps,
-                max_tokens=args.max_tokens,
-                repeats=args.repeats,
-                show_progress=not args.no_progress,
-                prompts=prompts,
-                requests_per_slot=args.requests_per_slot,
-                aa_control=not args.no_aa_control,
-            )
-        except HeadLoadError as exc:
-            print(f"melix-fsm bench: refused: {exc.reason}: {exc}", file=sys.stderr)
-            return 3
-        except StartRefused as exc:  # the receipt or the head loader refused MTP here
-            print(f"melix-fsm bench: refused: {exc}", file=sys.stderr)
-            return 2 if exc.usage else 3
-        except StartFailed as exc:
-            print(f"melix-fsm bench: error: {exc}", file=sys.stderr)
-            return 2
+        here = _run_here(args)
+        if isinstance(here, int):
+            return here
         tag = getattr(args, "tag", None) or "current"
-        (args.out / f"bench-{tag}.json").write_text(json.dumps(data, indent=1))
-        results = {tag: data}
+        (args.out / f"bench-{tag}.json").write_text(json.dumps(here, indent=1))
+        results = {tag: here}
         if getattr(args, "tag", None):
             return 0  # a child: the parent prints and plots
     for name, data in results.items():
@@ -214,3 +184,40 @@ def run(args: argparse.Namespace) -> int:
     print(f"plot: {plot(results, args.out / 'bench.png')}")
     print(f"results: {args.out}")
     return failed[0] if failed else 0
+
+
+def _run_here(args: argparse.Namespace) -> dict[str, Any] | int:
+    """The bench in this process (the current BLAS): its results, or an exit status."""
+    from melix_mlx.decoding.startup import StartFailed, StartRefused
+    from melix_mlx.loading.errors import HeadLoadError
+    from melix_mlx.tools.bench import run as bench_run
+    from melix_mlx.tools.workloads import from_file
+
+    try:
+        prompts = from_file(args.prompts) if args.prompts is not None else None
+    except (OSError, ValueError) as exc:
+        print(f"melix-fsm bench: error: --prompts: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return bench_run(
+            args.model,
+            draft_dir=args.draft_model,
+            batch_sizes=args.batch_sizes,
+            ks=args.ks,
+            temps=args.temps,
+            max_tokens=args.max_tokens,
+            repeats=args.repeats,
+            show_progress=not args.no_progress,
+            prompts=prompts,
+            requests_per_slot=args.requests_per_slot,
+            aa_control=not args.no_aa_control,
+        )
+    except HeadLoadError as exc:
+        print(f"melix-fsm bench: refused: {exc.reason}: {exc}", file=sys.stderr)
+        return 3
+    except StartRefused as exc:  # the receipt or the head loader refused MTP here
+        print(f"melix-fsm bench: refused: {exc}", file=sys.stderr)
+        return 2 if exc.usage else 3
+    except StartFailed as exc:
+        print(f"melix-fsm bench: error: {exc}", file=sys.stderr)
+        return 2

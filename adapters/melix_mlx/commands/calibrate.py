@@ -77,7 +77,7 @@ def _usage(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from melix_mlx.checkpoints import DEFAULT, resolve_model
+    from melix_mlx.loading.checkpoints import DEFAULT, resolve_model
 
     args.model = resolve_model(DEFAULT if args.model is None else args.model)
     if not Path(args.model).is_dir():
@@ -85,7 +85,6 @@ def run(args: argparse.Namespace) -> int:
     if args.num_draft_tokens < 1 or min(args.batch_size) < 1 or args.runs < 1 or args.warmup < 0:
         return _usage("--num-draft-tokens, --batch-size and --runs must be >= 1, --warmup >= 0")
 
-    import msgspec
 
     from melix_fsm.commands.progress import Progress
     from melix_fsm.policy.calibration import out_of_order
@@ -94,10 +93,10 @@ def run(args: argparse.Namespace) -> int:
     from melix_fsm.policy.errors import CalibrationError
     from melix_fsm.policy.telemetry import detect
 
-    from ..activation import replays_on_reject
-    from ..calibrate import device_kind, model_dtype
-    from ..errors import HeadLoadError
-    from ..loading import load_with_heads
+    from ..decoding.activation import replays_on_reject
+    from ..loading.errors import HeadLoadError
+    from ..loading.loaders import load_with_heads
+    from ..runtime.calibrate import device_kind, model_dtype
 
     progress = Progress(len(args.batch_size), "calibrate", unit="size", enabled=not args.no_progress)
     progress.note("loading the model")
@@ -133,19 +132,8 @@ def run(args: argparse.Namespace) -> int:
     clashes = [str(c) for c in out_of_order(measured, args.max_spread)]
 
     if args.json:
-        out = {
-            "model": str(args.model),
-            "family": info.family,
-            "dtype": dtype,
-            "hardware": hardware,
-            "prior": prior,
-            "policy": args.device_policy,
-            "timings": list(table.entries) if table else [],
-            "decisions": decisions,
-            "decision": decisions[0],
-            "clashes": clashes,
-        }
-        sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(out)) + b"\n")
+        facts = {"family": info.family, "dtype": dtype, "hardware": hardware, "prior": prior}
+        _print_json(args, facts, table, decisions, clashes)
     else:
         _print_table(args, info.family, dtype, hardware, prior, k, results, decisions)
     sys.stdout.flush()
@@ -163,7 +151,7 @@ def _measure_sizes(args: argparse.Namespace, model: Any, head: Any, k: int, prog
     from melix_fsm.policy.calibration import measure
     from melix_fsm.policy.errors import CalibrationError
 
-    from ..calibrate import build_forwards
+    from ..runtime.calibrate import build_forwards
 
     results: list[Any] = []
     for B in args.batch_size:
@@ -188,6 +176,23 @@ def _measure_sizes(args: argparse.Namespace, model: Any, head: Any, k: int, prog
             results.append(CalibrationError("measurement_failed", f"B={B}: {type(exc).__name__}: {exc}"))
         progress.update(1)
     return results
+
+
+def _print_json(
+    args: argparse.Namespace, facts: dict[str, Any], table: Any, decisions: list[Any], clashes: list[str]
+) -> None:
+    import msgspec
+
+    out = {
+        "model": str(args.model),
+        **facts,
+        "policy": args.device_policy,
+        "timings": list(table.entries) if table else [],
+        "decisions": decisions,
+        "decision": decisions[0],
+        "clashes": clashes,
+    }
+    sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(out)) + b"\n")
 
 
 def _print_table(args, family, dtype, hardware, prior, k, results, decisions) -> None:

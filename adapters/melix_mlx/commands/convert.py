@@ -1,7 +1,7 @@
 """`melix-fsm convert HF_DIR OUT_DIR`: convert a checkpoint for mlx-lm, keeping its MTP head.
 
 Rules of this module:
-- A thin front for `melix_mlx.convert.convert`: the main model goes through mlx-lm's
+- A thin front for `melix_mlx.loading.convert.convert`: the main model goes through mlx-lm's
   own conversion (optionally quantized with `-q`), the head is kept in
   `mtp.safetensors` with its norms repaired once, recorded in config.json.
 - Exit status: 0 converted; 2 usage error or unreadable input (OUT_DIR not empty,
@@ -34,9 +34,9 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from melix_mlx.checkpoints import resolve_model
-    from melix_mlx.convert import convert
-    from melix_mlx.errors import HeadLoadError
+    from melix_mlx.loading.checkpoints import resolve_model
+    from melix_mlx.loading.convert import convert
+    from melix_mlx.loading.errors import HeadLoadError
 
     try:
         out = convert(

@@ -32,7 +32,7 @@ Rules of this module:
 - Exit status (melix_fsm.cli): 0 ok; 2 usage error or unreadable input; 3 typed refusal
   of an explicit method, or of a serving context nothing can run, or of `--sharding`
   (`unsupported_sharding`); 4 under `--sharding`, a rank failed or the ranks disagreed
-  (melix_mlx.distributed). mlx is imported inside `run` only.
+  (melix_mlx.runtime.distributed). mlx is imported inside `run` only.
 """
 
 from __future__ import annotations
@@ -122,13 +122,13 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 def _model_dir(args: argparse.Namespace) -> tuple[Path, str]:
     """(checkpoint dir, source): explicit, embedded, or the recorded random fallback."""
     if args.model is not None:
-        from melix_mlx.checkpoints import resolve_model
+        from melix_mlx.loading.checkpoints import resolve_model
 
         return resolve_model(args.model), "explicit"
     if (EMBEDDED_CHECKPOINT / "config.json").is_file():
         return EMBEDDED_CHECKPOINT, "embedded"
     from melix_fsm.commands.paths import cache_dir
-    from melix_mlx.tiny import make_tiny
+    from melix_mlx.tools.tiny import make_tiny
 
     target = cache_dir() / f"tiny-{FALLBACK_FAMILY}"
     if not (target / "config.json").is_file():
@@ -170,7 +170,7 @@ def _checked(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     if args.sharding is not None and not getattr(args, "_on_ranks", False):
-        from melix_mlx.distributed import run_ranks  # rank 0 prints; failures end every rank
+        from melix_mlx.runtime.distributed import run_ranks  # rank 0 prints; failures end every rank
 
         args._on_ranks = True
         return run_ranks(lambda: run(args), json_output=args.json, sharding=args.sharding)
@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(first, int):
         return first
     receipt, machine, preloaded = first
-    from melix_mlx.startup import StartFailed, StartRefused, start
+    from melix_mlx.decoding.startup import StartFailed, StartRefused, start
 
     def priced_context(tokenizer: Any) -> int:
         # priced at the context the run will hold: a batch is left-padded to its longest prompt
@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _speculative_config(args: argparse.Namespace) -> Any:
     from melix_fsm.config import speculative_config
-    from melix_mlx.checkpoints import resolve_model
+    from melix_mlx.loading.checkpoints import resolve_model
 
     draft_dir = str(resolve_model(args.draft_model)) if args.draft_model else None
     return speculative_config(
@@ -294,7 +294,7 @@ def _decode_and_print(
 ) -> int:
     import mlx.core as mx
 
-    from melix_mlx.sampling import make_sampler
+    from melix_mlx.runtime.sampling import make_sampler
 
     from .generate_decode import decode_batched, decode_single
 
@@ -331,8 +331,8 @@ def _decode_and_print(
 
 def _resolve_with_pack(model_dir: Path, pack: Path, config: Any, context: Any, machine: Any) -> tuple:
     """(receipt, (model, tokenizer, head) or None): the target with its head from ``pack``."""
-    from melix_mlx.errors import UnvalidatedSidecar
-    from melix_mlx.sidecar import load_with_sidecar
+    from melix_mlx.loading.errors import UnvalidatedSidecar
+    from melix_mlx.loading.sidecar import load_with_sidecar
 
     try:
         model, tokenizer, head, info = load_with_sidecar(

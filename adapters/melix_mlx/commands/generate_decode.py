@@ -6,7 +6,7 @@ Rules of this module:
   one prompt every N generator steps (0: all at once).
 - `tokens` are the generated ids with the terminating EOS/stop token excluded, as in
   mlx-lm's `generate` / `batch_generate`.
-- The head slot holds an MTP head, a draft model (melix_mlx.draft_model) or nothing
+- The head slot holds an MTP head, a draft model (melix_mlx.decoding.draft_model) or nothing
   (plain decode); the loops do not care which.
 """
 

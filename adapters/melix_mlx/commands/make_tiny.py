@@ -1,12 +1,12 @@
 """`melix-fsm make-tiny FAMILY OUT_DIR`: write a tiny random checkpoint in a family's HF layout.
 
 Rules of this module:
-- A thin front for `melix_mlx.tiny.make_tiny` (seeded, deterministic weights, MTP head
+- A thin front for `melix_mlx.tools.tiny.make_tiny` (seeded, deterministic weights, MTP head
   included, byte-level tokenizer); prints the output directory.
 - Exit status: 0 written, 2 usage error (unknown family, OUT_DIR not writable,
   --mtp-layers below 1).
 - The family list is repeated here so `register` does not import mlx; `run` checks it
-  against `melix_mlx.tiny.FAMILIES`.
+  against `melix_mlx.tools.tiny.FAMILIES`.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from melix_mlx.tiny import ALL_FAMILIES as BUILT
-    from melix_mlx.tiny import make_tiny
+    from melix_mlx.tools.tiny import ALL_FAMILIES as BUILT
+    from melix_mlx.tools.tiny import make_tiny
 
     if args.family not in BUILT:  # the two lists drifted apart
         print(f"melix-fsm make-tiny: error: unknown family {args.family!r}", file=sys.stderr)

@@ -2,7 +2,7 @@
 
 Rules of this module:
 - TARGET: a built-in (`mlx-lm`, the control; `melix`, this project's MTPBatchGenerator)
-  or `package.module:factory` (melix_mlx.qa.targets states the factory contract). The
+  or `package.module:factory` (melix_mlx.tools.qa.targets states the factory contract). The
   generator's surface is detected (melix_fsm.testing.surfaces) unless `--surface` says.
 - Exactness: tokens against mlx-lm's greedy single-sequence decoding of the same loaded
   model (or `--reference package.module:function`, called with the model, returning a
@@ -22,7 +22,7 @@ Rules of this module:
   import the installed mlx-lm cannot serve; a factory that raises): one line on stderr,
   never a traceback, never 1. mlx is imported inside `run` only; nothing here needs a
   particular mlx-lm version (the `melix` target alone needs 0.32).
-- Progress goes to stderr (melix_mlx.qa.progress); `--quiet` silences it.
+- Progress goes to stderr (melix_mlx.tools.qa.progress); `--quiet` silences it.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def _run(args: argparse.Namespace) -> int:
             return _usage(f"--replay {args.replay}: {exc}")
 
     from melix_fsm.testing.surfaces import SurfaceError, as_surface
-    from melix_mlx.qa.targets import TargetError, checkpoint_dir, load_model, resolve_target
+    from melix_mlx.tools.qa.targets import TargetError, checkpoint_dir, load_model, resolve_target
 
     try:
         make_stops = resolve_target(args.stops).factory if args.stops else None
@@ -177,9 +177,9 @@ def _hunt(
 
     from melix_fsm.testing.machine import PROFILES as KIT_PROFILES
     from melix_fsm.testing.qa import run_session
-    from melix_mlx.qa.targets import vocab_size
+    from melix_mlx.tools.qa.targets import vocab_size
 
-    from ..qa.progress import Progress
+    from ..tools.qa.progress import Progress
 
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     top = min(vocab_size(model) or 256, 256) - 1
@@ -236,7 +236,7 @@ def _probabilities(model: Any) -> Any:
 
     def probs_for(temperature: float) -> Any:
         if temperature not in built:
-            from melix_mlx.qa.probabilities import target_probabilities
+            from melix_mlx.tools.qa.probabilities import target_probabilities
 
             built[temperature] = target_probabilities(model, temperature)
         return built[temperature]
@@ -245,7 +245,7 @@ def _probabilities(model: Any) -> Any:
 
 
 def _reference(spec: str | None, model: Any) -> Any:
-    from melix_mlx.qa.targets import TargetError, resolve_target
+    from melix_mlx.tools.qa.targets import TargetError, resolve_target
 
     if spec is None:
         from melix_fsm.testing import mlx_greedy_reference

@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail("; ".join(problems))
     import json
 
-    from melix_mlx.distributed import init_group
+    from melix_mlx.runtime.distributed import init_group
     from melix_mlx.serve.app import start_server
     from melix_mlx.serve.provider import ServeError, ServeRefused
 

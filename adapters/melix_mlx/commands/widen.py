@@ -1,10 +1,10 @@
 """`melix-fsm widen SRC DST --hidden H`: a larger checkpoint computing the same function.
 
 Rules of this module:
-- A thin front for `melix_mlx.widen_io.widen_checkpoint` (rules in `melix_mlx.widen`):
+- A thin front for `melix_mlx.tools.widen_io.widen_checkpoint` (rules in `melix_mlx.tools.widen`):
   SRC is a folder or an embedded name (`stdlib-tiny`, `stdlib-hybrid`); head counts and
   MLP width scale with H unless given; prints the output folder and its size.
-- `--preset NAME` writes one of `melix_mlx.widen_presets.PRESETS` (SRC and sizes fixed);
+- `--preset NAME` writes one of `melix_mlx.tools.widen_presets.PRESETS` (SRC and sizes fixed);
   the same names resolve as `--model` aliases elsewhere, generated on first use.
 - Exit status: 0 written, 2 bad input (one line on stderr, no traceback): H smaller than
   the source, head counts that break the grouping, an unsupported layout, DST present
@@ -53,10 +53,10 @@ def _fail(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from melix_mlx.checkpoints import resolve_model
-    from melix_mlx.widen import Sizes, WidenError
-    from melix_mlx.widen_io import widen_checkpoint
-    from melix_mlx.widen_presets import PRESETS, ensure
+    from melix_mlx.loading.checkpoints import resolve_model
+    from melix_mlx.tools.widen import Sizes, WidenError
+    from melix_mlx.tools.widen_io import widen_checkpoint
+    from melix_mlx.tools.widen_presets import PRESETS, ensure
 
     try:
         if args.preset is not None:

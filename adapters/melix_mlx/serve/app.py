@@ -32,7 +32,7 @@ from typing import Any
 import uvicorn
 from mlx_lm.models.cache import LRUPromptCache
 
-from ..prefill import vocabulary_size
+from ..runtime.prefill import vocabulary_size
 from .admission import Admission
 from .connections import HeadTimeoutProtocol
 from .limits import ServeLimits, resolve

@@ -1,7 +1,7 @@
 """Fair prefill: a prompt's segments cut into chunks of a bounded number of tokens.
 
 Rules of this module:
-- MTPBatchGenerator's segment stage (melix_mlx.batch_surface) prefills at most one
+- MTPBatchGenerator's segment stage (melix_mlx.decoding.batch_surface) prefills at most one
   non-final segment per queued request in each `next()`, between the running rows'
   decode steps, and prefills the final segment at admission. Cutting every segment
   into chunks of at most `chunk` tokens therefore bounds the prompt work of one step

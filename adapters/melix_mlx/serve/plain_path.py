@@ -1,7 +1,7 @@
 """The prompt cache as mlx-lm's plain (single-sequence) path needs it.
 
 Rules: mlx-lm's `_serve_single` fails on a prompt its cache holds entirely (nothing is
-left to prefill). The batched path gives the last token back (melix_mlx.batch_surface);
+left to prefill). The batched path gives the last token back (melix_mlx.decoding.batch_surface);
 `PartialHits` does the same for the plain path: the (deep-copied) cache is trimmed by
 one token, or not used when it cannot be trimmed. Everything else is the shared cache.
 """
@@ -17,7 +17,7 @@ class PartialHits:
     """The prompt cache as mlx-lm's plain path needs it: a hit leaves a token to feed.
 
     mlx-lm's `_serve_single` fails on a prompt its cache holds entirely (nothing left to
-    prefill); the batched path gives the last token back (melix_mlx.batch_surface), and
+    prefill); the batched path gives the last token back (melix_mlx.decoding.batch_surface), and
     so does this view: the (deep-copied) cache is trimmed by one, or not used."""
 
     def __init__(self, shared: Any) -> None:

@@ -5,7 +5,7 @@ Rules of this module:
   model, device policy, profile, quantized KV, chunked prefill) and runs once, before the
   server listens: the receipt is resolved for a batched start before any weight is read,
   then the model (with its MTP head or draft model when the receipt admits one), then the
-  device policy's evaluation (melix_mlx.activation) at batch size 1, which gives the live
+  device policy's evaluation (melix_mlx.decoding.activation) at batch size 1, which gives the live
   controller every batch generator of this server shares.
 - Refused at start, typed (`ServeRefused`): settings no batch can run (a quantized KV
   cache: mlx-lm has no batch cache for it), and an explicitly requested method that the
@@ -86,17 +86,15 @@ def load_served_model(
     """The served model for these settings (the `melix-fsm receipt` options; see the rules).
 
     `kv` holds mlx-lm's quantized-KV keyword arguments (melix_fsm.commands.options.kv_arguments).
-    `sharding` (under mlx.launch): the model is sharded over the ranks (melix_mlx.distributed);
+    `sharding` (under mlx.launch): the model is sharded over the ranks (melix_mlx.runtime.distributed);
     what mlx-lm cannot shard is refused (`unsupported_sharding`) before a weight is read.
     Raises ServeRefused (typed) or ServeError (usage) before the server listens.
     """
     from melix_fsm.config import speculative_config
     from melix_fsm.errors import ConfigError
-    from melix_fsm.lifecycle import SequenceMachine
-    from melix_fsm.receipt import ServingContext, receipt_json, resolve, serving_refusal
-    from melix_mlx.checkpoints import DEFAULT, resolve_model
-    from melix_mlx.errors import batched_quantized_kv
-    from melix_mlx.startup import StartFailed, StartRefused, start
+    from melix_fsm.receipt import ServingContext
+    from melix_mlx.decoding.startup import StartFailed, StartRefused, start
+    from melix_mlx.loading.checkpoints import DEFAULT, resolve_model
 
     try:
         draft_dir = str(resolve_model(draft_model)) if draft_model else None
@@ -121,11 +119,7 @@ def load_served_model(
         kv_group_size=kv.get("kv_group_size") if kv else None,
     )
     if kv:  # no batch cache quantizes, whatever the family: refused before anything loads
-        receipt = resolve(path, config, context=context, machine=SequenceMachine(0))
-        unreadable = receipt.refusal_reason is RefusalReason.unreadable_checkpoint
-        if not unreadable and serving_refusal(path, context) is None:  # else `start` says why
-            blocked = batched_quantized_kv()
-            raise ServeRefused(blocked.reason, blocked.message, json.loads(receipt_json(receipt)))
+        _refuse_quantized_kv(path, config, context)
     try:
         # the one start-up sequence `generate` runs too: receipt, load, device policy
         boot = start(path, config, context, batch_size=1, sharding=sharding)
@@ -137,16 +131,8 @@ def load_served_model(
         raise ServeError(str(exc)) from exc
     main, tokenizer, head, controller = boot.model, boot.tokenizer, boot.head, boot.controller
     refusal, head_error, receipt_data, k = boot.refusal, boot.load_error, boot.receipt_data, boot.k
-    settings = {
-        "method": config.method.value,
-        "num_draft_tokens": config.num_draft_tokens,
-        "draft_model": config.draft_model,
-        "device_policy": config.device_policy.value,
-        "profile": profile,
-        "kv": dict(kv) if kv else None,
-        "chunked_prefill": chunked_prefill,
-        "sharding": sharding,
-    }
+    settings = dict(_config_settings(config), profile=profile, kv=dict(kv) if kv else None)
+    settings.update(chunked_prefill=chunked_prefill, sharding=sharding)
     return ServedModel(
         path=path,
         model=main,
@@ -160,6 +146,29 @@ def load_served_model(
         head_load_error=head_error,
         requested_method=config.method.value,
     )
+
+
+def _config_settings(config: Any) -> dict[str, Any]:
+    return {
+        "method": config.method.value,
+        "num_draft_tokens": config.num_draft_tokens,
+        "draft_model": config.draft_model,
+        "device_policy": config.device_policy.value,
+    }
+
+
+def _refuse_quantized_kv(path: Path, config: Any, context: Any) -> None:
+    """Quantized KV under batching is refused with the receipt as data (unless the receipt or
+    the serving context refuses the checkpoint first: then `start` says why)."""
+    from melix_fsm.lifecycle import SequenceMachine
+    from melix_fsm.receipt import receipt_json, resolve, serving_refusal
+    from melix_mlx.loading.errors import batched_quantized_kv
+
+    receipt = resolve(path, config, context=context, machine=SequenceMachine(0))
+    unreadable = receipt.refusal_reason is RefusalReason.unreadable_checkpoint
+    if not unreadable and serving_refusal(path, context) is None:
+        blocked = batched_quantized_kv()
+        raise ServeRefused(blocked.reason, blocked.message, json.loads(receipt_json(receipt)))
 
 
 class MTPModelProvider(ModelProvider):

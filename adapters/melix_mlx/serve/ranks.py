@@ -1,6 +1,6 @@
 """Serving a sharded model: rank 0 owns the endpoint, every rank runs the same batched steps.
 
-Rules of this module (the rules of melix_mlx.distributed hold here too):
+Rules of this module (the rules of melix_mlx.runtime.distributed hold here too):
 - Every rank runs mlx-lm's generation loop (melix_mlx.serve.runtime) over its shard of the
   model; only rank 0 runs HTTP. The loop mutates the batch generator in one order on every
   rank: it shares rank 0's decision once per turn (mlx-lm's `_share_object`: a length, then
@@ -49,7 +49,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..distributed import EXIT_RANK_FAILED, DistributedError, PeerLost, rank_error
+from ..runtime.distributed import EXIT_RANK_FAILED, DistributedError, PeerLost, rank_error
 from .runtime import RequestCancelled, ServingResponseGenerator, SpeculativeContext
 
 RANK_TIMEOUT_S = 60.0  # a collective that has not returned by then: a rank died or hung

@@ -33,7 +33,7 @@ Rules of this module:
 - Failures stay with their request: an insertion that raises fails its request only; each
   row's logits processors are guarded, so one that raises records the failure and the
   batched step completes for the other rows; a request whose prefill raises is dropped
-  by the generator (melix_mlx.batch_surface). After the step the failed rows leave the
+  by the generator (melix_mlx.decoding.batch_surface). After the step the failed rows leave the
   batch, their exception goes to their response queue (the handler answers 500) and a
   progress response lets mlx-lm's loop forget them.
   An exception of the batched step itself ends the rows in that step the same way; the
@@ -57,7 +57,7 @@ from mlx_lm.server import GenerationContext, ResponseGenerator
 
 from melix_fsm.errors import MelixError
 
-from ..batch_generator import MTPBatchGenerator
+from ..decoding.batch_generator import MTPBatchGenerator
 from .chunks import split_segments
 from .plain_path import PartialHits
 from .usage import PLAIN_PATH_REASON, speculative_usage
