@@ -22,8 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-from melix_mlx import capture
 from melix_mlx.loading.checkpoints import resolve_model
+from melix_mlx.runtime import capture
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 

@@ -17,10 +17,10 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
-from melix_mlx import rollback  # noqa: E402
 from melix_mlx.batch_generator import MTPBatchGenerator  # noqa: E402
 from melix_mlx.decoding.batch_prompts import join_groups  # noqa: E402
 from melix_mlx.decoding.batch_rows import InsertRequest  # noqa: E402
+from melix_mlx.runtime import rollback  # noqa: E402
 from melix_mlx.runtime.prefill import prefill_together, prefill_with_hidden  # noqa: E402
 from melix_mlx.tools.tiny import FAMILIES  # noqa: E402
 from mlx_lm.generate import BatchGenerator, StopSequences, _merge_caches, generate_step  # noqa: E402

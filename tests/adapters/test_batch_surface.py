@@ -17,8 +17,8 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
-from melix_mlx import batch_surface  # noqa: E402
 from melix_mlx.batch_generator import MTPBatchGenerator  # noqa: E402
+from melix_mlx.decoding import batch_surface  # noqa: E402
 from melix_mlx.decoding.batch_surface import RequestFailed  # noqa: E402
 from melix_mlx.loading.checkpoints import EMBEDDED  # noqa: E402
 from mlx_lm.generate import BatchGenerator  # noqa: E402

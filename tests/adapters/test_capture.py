@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from melix_mlx import capture
 from melix_mlx.loading import load_with_heads
+from melix_mlx.runtime import capture
 from melix_mlx.runtime.hidden import forward_with_hidden
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
@@ -140,7 +140,7 @@ def test_install_keeps_parameters_and_is_idempotent(tiny_checkpoint) -> None:
 
 def test_absorbed_verify_matches_one_token_decoding(loaded_heads) -> None:
     """The verify's latent attention (absorbed) gives mlx-lm's one-token logits row by row."""
-    from melix_mlx import absorbed_mla, rollback
+    from melix_mlx.runtime import absorbed_mla, rollback
 
     model = loaded_heads["deepseek_v3"][0]
     assert absorbed_mla.install(model) > 0

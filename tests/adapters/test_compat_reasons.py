@@ -69,7 +69,7 @@ def _head_shape(tmp: Path) -> RefusalReason | None:
 
 
 def _device_policy(tmp: Path, monkeypatch) -> RefusalReason | None:
-    from melix_mlx import activation
+    from melix_mlx.decoding import activation
     from melix_mlx.loading import load_with_heads
 
     from melix_fsm.policy.errors import CalibrationError

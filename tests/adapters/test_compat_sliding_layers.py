@@ -106,8 +106,8 @@ def test_cli_single_equals_mlx_lm(dirs, target, capsys) -> None:
 
 
 def test_batches_are_refused_before_weights_or_forwards(dirs, target, tmp_path, monkeypatch, capsys) -> None:
-    from melix_mlx import method_load
     from melix_mlx.batch_generator import MTPBatchGenerator
+    from melix_mlx.loading import method_load
 
     from melix_fsm.cli import main
 

@@ -24,8 +24,8 @@ import melix_mlx.runtime.engine as engine_mod
 import mlx.core as mx
 import pytest
 from decode_refs import reference
-from melix_mlx import absorbed_mla, rollback
 from melix_mlx.decode import MTPDecoder
+from melix_mlx.runtime import absorbed_mla, rollback
 from melix_mlx.runtime.hidden import forward_with_hidden, main_parts
 from melix_mlx.runtime.prefill import prefill_with_hidden
 from melix_mlx.tools.tiny import FAMILIES

@@ -163,7 +163,7 @@ def test_cli_refuses_what_nothing_can_run(mimo, tiny_checkpoint, tmp_path, capsy
 
 def test_group_size_not_dividing_the_head_dim_is_refused_before_weights(mimo, monkeypatch, capsys) -> None:
     """mlx cannot quantize a 32-wide head in groups of 64: refused from config.json, typed."""
-    from melix_mlx import method_load
+    from melix_mlx.loading import method_load
 
     from melix_fsm.cli import main
 

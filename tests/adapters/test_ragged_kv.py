@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from melix_mlx import ragged_kv, rollback
+from melix_mlx.runtime import ragged_kv, rollback
 from melix_mlx.runtime.hidden import forward_with_hidden
 from mlx_lm.generate import _merge_caches
 from mlx_lm.models.cache import make_prompt_cache

@@ -148,7 +148,7 @@ def test_profile_and_auto_depth_are_served(tmp_path) -> None:
 @pytest.fixture
 def no_loading(monkeypatch) -> None:
     """Fail the test if anything loads weights."""
-    from melix_mlx import method_load
+    from melix_mlx.loading import method_load
 
     def forbidden(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("weights were read before the refusal")

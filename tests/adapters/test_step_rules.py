@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from melix_mlx import step_rules
+from melix_mlx.decoding import step_rules
 
 from melix_fsm import lifecycle as lc
 from melix_fsm.lifecycle import SequenceMachine, State

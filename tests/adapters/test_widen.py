@@ -254,8 +254,8 @@ def test_cli_exits_2_with_one_line(tmp_path: Path) -> None:
 
 
 def test_preset_alias_is_widened_once_into_the_cache(tmp_path: Path, monkeypatch) -> None:
-    from melix_mlx import widen_presets
     from melix_mlx.loading.checkpoints import resolve_model
+    from melix_mlx.tools import widen_presets
 
     _present("stdlib-tiny")
     monkeypatch.setenv("MELIX_FSM_CACHE", str(tmp_path / "cache"))

@@ -49,7 +49,7 @@ def _decode(loaded, controller, max_tokens: int = 16) -> dict:
 
 @pytest.mark.parametrize("reason", ["measurement_failed", "measurement_timeout", "measurement_poisoned"])
 def test_failed_calibration_disables_receipt_stats_and_decoder_alike(tiny, loaded, monkeypatch, reason):
-    from melix_mlx import activation
+    from melix_mlx.decoding import activation
 
     monkeypatch.setattr(activation, "calibrate", lambda *a, **kw: CalibrationError(reason, "two CPU hogs"))
     model, _, head, _ = loaded
@@ -76,7 +76,7 @@ def _table(t_verify: float, k: int) -> TimingTable:
 
 @pytest.mark.parametrize("t_verify, admitted", [(1.0e-3, True), (5e-3, False)])
 def test_gate_and_controller_start_in_the_same_state(tiny, loaded, monkeypatch, t_verify, admitted):
-    from melix_mlx import activation
+    from melix_mlx.decoding import activation
 
     monkeypatch.setattr(activation, "calibrate", lambda *a, k, **kw: _table(t_verify, k))
     model, _, head, _ = loaded
@@ -93,7 +93,7 @@ def test_gate_and_controller_start_in_the_same_state(tiny, loaded, monkeypatch, 
 
 
 def test_auto_depth_is_in_the_receipt_and_the_controller(tiny, loaded, monkeypatch):
-    from melix_mlx import activation
+    from melix_mlx.decoding import activation
 
     calls = []
 
@@ -115,7 +115,7 @@ def test_auto_depth_is_in_the_receipt_and_the_controller(tiny, loaded, monkeypat
 
 
 def test_force_policies_build_forced_controllers(tiny, loaded):
-    from melix_mlx import activation
+    from melix_mlx.decoding import activation
 
     model, _, head, _ = loaded
     config = speculative_config(device_policy="force_on")
@@ -126,7 +126,7 @@ def test_force_policies_build_forced_controllers(tiny, loaded):
 
 def test_real_calibration_keeps_receipt_and_controller_consistent(tiny, loaded):
     """Whatever this CPU measures (or fails to), the receipt and the controller agree."""
-    from melix_mlx import activation
+    from melix_mlx.decoding import activation
 
     model, _, head, _ = loaded
     config = speculative_config()
@@ -154,7 +154,7 @@ def test_replay_is_priced_only_where_the_engine_replays(loaded, tmp_path):
 def test_calibration_is_priced_at_the_runs_context(tiny, loaded, monkeypatch, context, timed_at):
     """Attention grows with the cache: the prior times the forwards at the context the run
     will hold (bounded: calibration prefills it once per row), a short prompt by default."""
-    from melix_mlx import activation
+    from melix_mlx.decoding import activation
 
     seen = []
 

@@ -34,7 +34,7 @@ def loaded(tiny: Path):
 
 
 def _lengths(cache) -> list:
-    from melix_mlx import rollback
+    from melix_mlx.runtime import rollback
 
     return [c.offset if hasattr(c, "offset") else [id(a) for a in c.cache] for c in rollback.leaves(cache)]
 
