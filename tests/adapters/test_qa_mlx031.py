@@ -39,7 +39,7 @@ HIDDEN = (
     ("mlx_lm.generate", "StopSequences"),
 )
 # melix modules that need 0.32 (greedy_sampler and the names above): the kit must not load them
-NEEDS_032 = ("melix_mlx.loading", "melix_mlx.runtime.sampling", "melix_mlx.batch_generator")
+NEEDS_032 = ("melix_mlx.loading.loaders", "melix_mlx.runtime.sampling", "melix_mlx.batch_generator")
 
 
 @pytest.fixture(scope="module")

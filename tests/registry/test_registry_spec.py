@@ -20,7 +20,7 @@ from melix_fsm.spec import spec_dir
 
 FAMILIES = tomllib.loads((spec_dir() / "families.toml").read_text(encoding="utf-8"))
 ROLLBACK = tomllib.loads((spec_dir() / "rollback.toml").read_text(encoding="utf-8"))
-HEADS_DIR = Path(__file__).resolve().parents[2] / "adapters" / "melix_mlx" / "heads"
+HEADS_DIR = Path(__file__).resolve().parents[2] / "adapters" / "melix_mlx" / "loading" / "heads"
 
 RUNNABLE = {"qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "mimo"}
 REFUSED = {
