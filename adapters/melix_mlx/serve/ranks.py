@@ -10,8 +10,8 @@ Rules of this module (the rules of melix_mlx.runtime.distributed hold here too):
   same sampler and processors), the uids cancelled since the last turn, and shutdown.
   mlx-lm's loop shares its own removals (`uids_to_remove`); sampled, drafted and accepted
   tokens are rank 0's through `Agreement` inside each step. A turn runs `STEPS_PER_TURN`
-  steps (fewer when the batch has nothing to do) instead of mlx-lm's time budget, whose
-  clock-syncing collective hung the ranks here once rows left a batch mid-run.
+  steps (fewer when the batch has nothing to do) instead of mlx-lm's time budget, which
+  syncs the ranks' clocks with a collective every turn: a count of steps needs none.
 - Cancellation: a client's cancel flips a flag on rank 0 at any time, so no rank reads
   that flag in a step. A cancellation counts from the turn whose command carries it
   (`ServingBatchGenerator.committed`), on every rank alike.
@@ -21,8 +21,8 @@ Rules of this module (the rules of melix_mlx.runtime.distributed hold here too):
   `STEPS_PER_TURN` steps, which on a loaded CPU outlasts a short bound while every rank
   progresses in lockstep. A `Watchdog` per rank ends the rank when its loop has not come
   back from a step's collectives within `rank_timeout_s` (a peer died or hung); a peer
-  that died usually shows sooner, as a ring error raised by the step. Either way the rank is lost: on rank 0
-  every open request fails with `rank_lost` (503, or an error event in a stream) and the
+  that died may show sooner, as a ring error raised by the step. Either way the rank is
+  lost: on rank 0 every open request fails with `rank_lost` (503, or an error event in a stream) and the
   server exits 4; a follower prints its typed line and exits 4.
 - Shutdown is a command too: after rank 0's drain, its `stop` shares `shutdown`, every
   loop ends at the same turn, and the followers exit 0. A follower given SIGTERM/SIGINT
