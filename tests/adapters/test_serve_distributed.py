@@ -115,6 +115,16 @@ def test_sharded_server_matches_single_process_and_drains(tmp_path: Path) -> Non
     try:
         server.wait_ready()
         sharded = _answers(server.url)
+        # bad input is answered 400 on rank 0 and reaches no rank's batch: serving goes on
+        status, _, body = raw(server.url, "POST", "/v1/completions", b"{not json")
+        assert status == 400, body
+        seeded = {"model": "stdlib-hybrid", "prompt": "import os", "max_tokens": 4, "seed": 3}
+        status, _, body = raw(server.url, "POST", "/v1/completions", json.dumps(seeded).encode())
+        assert status == 400 and json.loads(body)["error"]["param"] == "seed", body
+        again = client(server.url).completions.create(
+            model="stdlib-hybrid", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0
+        )
+        assert again.choices[0].text == sharded[PROMPTS[0]]
         # SIGTERM on rank 0 mid-stream: the started stream finishes, both ranks exit 0
         c = client(server.url)
         chunks = c.completions.create(model="stdlib-hybrid", prompt=PROMPTS[1], max_tokens=48,
