@@ -142,9 +142,26 @@ class LiveController(LiveEstimates):
             config=cfg.depth,
         )
         self.depth_reason = DepthReason.prior if auto_depth else DepthReason.fixed
-        self.depth_decision = DepthDecision(
+        self.depth_decision = self._depth_decision(batch_size)
+        self.step = 0
+        self.events: list[LiveEvent] = []
+        self.counters = LiveCounters()
+        self.disabled_reason: str | None = None
+        self.prompt_acceptance: float | None = None  # what the starting prompts measured (price_prompts)
+        if self.policy is Policy.auto and self.table is None:
+            self.disabled_reason = self.failure.reason if self.failure else LiveReason.not_measured.value
+        if active is None:
+            estimate = self._predicted(batch_size, first_k)
+            active = estimate is not None and estimate >= 1.0 + cfg.margin
+        self._init_schedule(batch_size)
+        self._enter_first_mode(bool(active), batch_size)
+
+    def _depth_decision(self, batch_size: int) -> DepthDecision:
+        """The first depth and what the cost model predicted at each k (for the receipt)."""
+        auto_depth, max_k = self.depth.auto, self.depth.max_k
+        return DepthDecision(
             mode="auto" if auto_depth else "fixed",
-            k=first_k,
+            k=self.depth.chosen,
             max_k=max_k,
             reason=self.depth_reason,
             predicted_speedup={
@@ -153,17 +170,6 @@ class LiveController(LiveEstimates):
                 if auto_depth and (s := self._predicted(batch_size, k)) is not None
             },
         )
-        self.step = 0
-        self.events: list[LiveEvent] = []
-        self.counters = LiveCounters()
-        self.disabled_reason: str | None = None
-        if self.policy is Policy.auto and self.table is None:
-            self.disabled_reason = self.failure.reason if self.failure else LiveReason.not_measured.value
-        if active is None:
-            estimate = self._predicted(batch_size, first_k)
-            active = estimate is not None and estimate >= 1.0 + cfg.margin
-        self._init_schedule(batch_size)
-        self._enter_first_mode(bool(active), batch_size)
 
     def _init_schedule(self, batch_size: int) -> None:
         """The machine in `configured`, and when the first probes and verdicts are due."""
@@ -237,6 +243,12 @@ class LiveController(LiveEstimates):
         return False
 
     @property
+    def prices_prompts(self) -> bool:
+        """Whether `price_prompts` would still take the first decision again: auto with a
+        calibration, before the first step (decoders score prompts only while it holds)."""
+        return not self.step and self.mode.state in (Mode.on, Mode.suspended) and self.table is not None
+
+    @property
     def k(self) -> int:
         """The depth the next speculative cycle drafts (>= 1)."""
         return self._shared.k if self._shared is not None else self.depth.k
@@ -267,6 +279,7 @@ class LiveController(LiveEstimates):
             state=self.state,
             speculating=self.speculating,
             disabled_reason=self.disabled_reason,
+            prompt_acceptance=self.prompt_acceptance,
             ema_acceptance=self.ema,
             per_position_acceptance=self.acceptance.summary(),
             plain_rate=est.plain_rate,
@@ -280,6 +293,40 @@ class LiveController(LiveEstimates):
         return out
 
     # -- writing -------------------------------------------------------------------
+
+    def price_prompts(self, acceptance: float, batch_size: int) -> Action:
+        """Take the first decision again at the acceptance the starting rows' prompts measured.
+
+        acceptance: per draft, over the rows now starting: the sampled rows' prompts scored
+        teacher-forced at their own sampling settings (melix_mlx.runtime.prompt_score),
+        the family prior for greedy rows. The prior is the checkpoint's greedy figure and
+        sampling lowers acceptance, so a sampled start the prior admitted may not pay; the
+        prompts say so before a step runs. Only before the first step, under auto, in the
+        mode `resolve` chose: once anything was measured the live counters know better,
+        and the call changes nothing (Action.keep). auto depth re-picks its first k too.
+        """
+        if not 0.0 <= acceptance <= 1.0:
+            raise PolicyError(f"live controller: prompt acceptance must lie in [0, 1], got {acceptance}")
+        if not self.prices_prompts:
+            return Action.keep
+        before = self.speculating
+        self.prompt_acceptance = acceptance
+        self.acceptance.prior = acceptance
+        self.ema = acceptance_rate_of(acceptance, self.acceptance.max_k)
+        if self.depth.rechoose_by_model(self.step, self._cost_fn(batch_size)) is not None:
+            self.depth_reason = DepthReason.model
+        self.depth_decision = self._depth_decision(batch_size)
+        estimate = self._predicted(batch_size, self.depth.k)
+        admits = estimate is not None and estimate >= 1.0 + self.config.margin
+        self._send(ModeEvent.reprice, LiveReason.prompt_acceptance, prompts_admit=admits)
+        if self._own_speculating != before:
+            action = Action.resume if admits else Action.suspend
+            self._record(action, LiveReason.prompt_acceptance, batch_size, self.estimate(batch_size))
+        self._share(batch_size)
+        after = self.speculating
+        if after == before:
+            return Action.keep
+        return Action.resume if after else Action.suspend
 
     def update(
         self,

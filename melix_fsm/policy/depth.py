@@ -312,6 +312,13 @@ class DepthChooser:
             step, reason, before, self.chosen, explored=explored, tolerance=self.tolerance(rates)
         )
 
+    def rechoose_by_model(self, step: int, model_cost: Callable[[int], float] | None) -> DepthEvent | None:
+        """auto depth outside a window: the cost model's best k at the acceptance as it stands
+        (the controller's reprice, when the prompts replaced the prior)."""
+        if not self.auto or self.mode.state is not DepthMode.holding:
+            return None
+        return self._by_model(step, model_cost)
+
     def _by_model(self, step: int, model_cost: Callable[[int], float] | None) -> DepthEvent | None:
         if model_cost is None:
             return None

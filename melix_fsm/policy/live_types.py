@@ -33,6 +33,7 @@ class LiveReason(enum.StrEnum):
 
     prior_admitted = "prior_admitted"  # the cost model admitted the start
     prior_disabled = "prior_disabled"  # the cost model disabled the start
+    prompt_acceptance = "prompt_acceptance"  # the start re-decided on its sampled prompts' acceptance
     not_measured = "not_measured"  # auto without a calibration: disabled
     measured_slower = "measured_slower"  # speculative tokens/s measured below plain
     measured_faster = "measured_faster"  # a plain probe measured slower than speculation

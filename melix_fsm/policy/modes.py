@@ -33,6 +33,7 @@ class ModeEvent(enum.StrEnum):
     pin_on = "pin_on"
     pin_off = "pin_off"
     resolve = "resolve"
+    reprice = "reprice"
     defer_plain_probe = "defer_plain_probe"
     start_plain_probe = "start_plain_probe"
     end_plain_probe = "end_plain_probe"
@@ -43,7 +44,7 @@ class ModeEvent(enum.StrEnum):
 
 
 # The guards the spec names; their meaning is the controller's (melix_fsm.policy.controller).
-GUARDS = frozenset({"prior_admits", "speculation_holds", "probe_passed"})
+GUARDS = frozenset({"prior_admits", "prompts_admit", "speculation_holds", "probe_passed"})
 
 CONTROLLER: CompiledMachine[Mode, ModeEvent] = CompiledMachine(
     load_machine("controller"), Mode, ModeEvent, GUARDS

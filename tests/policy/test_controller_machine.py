@@ -24,6 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from melix_fsm.machine import Step, build_oracle
 from melix_fsm.policy.controller import LiveController
+from melix_fsm.policy.cost_model import AcceptancePrior
 from melix_fsm.policy.depth import DEPTH, DepthMode
 from melix_fsm.policy.errors import CalibrationError
 from melix_fsm.policy.live_types import Action, LiveConfig
@@ -134,6 +135,21 @@ class ControllerWalk(RuleBasedStateMachine):
             self.probe_steps = self.probe_steps + 1 if self.ctrl.state in PROBES else 0
             assert self.probe_steps <= CFG.probe_max_steps
 
+    @rule(acceptance=st.floats(0.0, 1.0))
+    def price_prompts(self, acceptance: float) -> None:
+        """Rows' prompts priced at any time: it re-decides only before the first step."""
+        before_mode, measured = self.ctrl.state, self.ctrl.step > 0
+        action = self.ctrl.price_prompts(acceptance, self.world.batch_size)
+        self.check_new_steps()
+        if measured or before_mode not in (Mode.on, Mode.suspended):
+            assert action is Action.keep and self.ctrl.state is before_mode
+        else:  # the first decision taken again, on the cost model at the prompts' acceptance
+            assert self.ctrl.mode.history[-1].event == ModeEvent.reprice
+            predicted = self.ctrl._predicted(self.world.batch_size, self.ctrl.k)
+            admits = predicted is not None and predicted >= 1.0 + CFG.margin
+            assert self.ctrl.state is (Mode.on if admits else Mode.suspended)
+            assert self.ctrl.summary()["prompt_acceptance"] == acceptance
+
     @invariant()
     def speculating_is_the_mode(self) -> None:
         if hasattr(self, "ctrl"):
@@ -146,9 +162,16 @@ TestControllerWalk = ControllerWalk.TestCase
 
 
 def _walk(
-    timings: Any, policy: str, phases: list[tuple[float, float, float]], seed: int
+    timings: Any,
+    policy: str,
+    phases: list[tuple[float, float, float]],
+    seed: int,
+    prior: AcceptancePrior = PRIOR,
+    prompts: float | None = None,
 ) -> set[tuple[str, str]]:
-    ctrl = LiveController(timings, prior=PRIOR, policy=policy, depth=1, config=CFG)
+    ctrl = LiveController(timings, prior=prior, policy=policy, depth=1, config=CFG)
+    if prompts is not None:
+        ctrl.price_prompts(prompts, 1)
     world = World(seed=seed, noise=0.05)
     for cycle, keep, plain in phases:
         world.cycle_s, world.keep, world.plain_s = (lambda k, c=cycle: c), keep, plain
@@ -166,6 +189,10 @@ def test_the_worlds_reach_every_transition_of_the_spec() -> None:
             for seed in range(3):
                 for phases in ([fast, slow, fast, slow], [slow, fast, tie, slow, fast], [slow, plain_slows]):
                     covered |= _walk(timings, policy, phases, seed)
+    low_prior = AcceptancePrior(name="low", acceptance=0.05)
+    for prior in (PRIOR, low_prior):  # the prior admits, or not; the prompts then do, or not
+        for prompts in (0.0, 0.95):
+            covered |= _walk(BANDWIDTH_BOUND, "auto", [fast, slow], 0, prior, prompts)
     declared = {(t.source, t.event) for t in CONTROLLER.spec.transitions}
     assert declared - covered == set(), f"transitions no world reached: {sorted(declared - covered)}"
 

@@ -169,6 +169,7 @@ class BatchAdmission:
         first = len(self.batch)
         self.batch.extend(joining)
         joined = self.batch.rows[first:]
+        self._price_prompts()
         # joining rows follow the batch-wide verdict
         self.steps.reconcile([row.uid for row in joined], [row.state for row in joined])
         self._counters.generation_tokens += len(joined)
@@ -180,6 +181,23 @@ class BatchAdmission:
         if finished:
             self._finish(finished, out)
 
+    def _price_prompts(self) -> None:
+        """Before the first step, a batch with sampled rows is priced at the acceptance
+        their prompts scored (melix_mlx.runtime.prompt_score); greedy rows count at the
+        family prior, refused rows not at all (LiveController.price_prompts)."""
+        if not getattr(self.controller, "prices_prompts", False):
+            return
+        rows = [
+            (head.prompt_acceptance, row.payload.refusal)
+            for head, row in zip(self.engine.rows, self.batch.rows)
+        ]
+        if all(score is None for score, _ in rows):
+            return
+        prior = self.controller.prior.acceptance
+        rates = [prior if s is None else float(s.item()) for s, refusal in rows if refusal is None]
+        if rates:
+            self.controller.price_prompts(sum(rates) / len(rates), len(self.batch))
+
     def _prepare(self, ready: list[InsertRequest]) -> list[tuple[InsertRequest, PreparedRow]]:
         """Prefill the joining requests, in order: those with nothing cached together in
         groups of similar length (`join_groups`; all in one group where caches are
@@ -187,6 +205,7 @@ class BatchAdmission:
         options: dict[str, Any] = dict(
             refusal=self.refusal,
             head_disabled=getattr(self.controller, "disabled", False),
+            score_prompts=getattr(self.controller, "prices_prompts", False),
             max_kv_size=self.max_kv_size,
             prefill_step_size=self.prefill_step_size,
         )

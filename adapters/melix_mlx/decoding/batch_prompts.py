@@ -64,12 +64,14 @@ def prepare_row(
     head_disabled: bool,
     max_kv_size: int | None,
     prefill_step_size: int,
+    score_prompts: bool = False,
 ) -> PreparedRow:
     """Prefill one row alone; draw its first token; prime its head cache from the prompt."""
     cache = request.cache or make_prompt_cache(model, max_kv_size)
     logits, hiddens = prefill_with_hidden(model, mx.array(request.prompt), cache, prefill_step_size)
     return _ready(
-        model, head, engine, request, cache, logits, hiddens, refusal, head_disabled, prefill_step_size
+        model, head, engine, request, cache, logits, hiddens,
+        refusal, head_disabled, prefill_step_size, score_prompts,
     )
 
 
@@ -113,6 +115,7 @@ def prepare_rows(
     head_disabled: bool,
     max_kv_size: int | None,
     prefill_step_size: int,
+    score_prompts: bool = False,
 ) -> Iterator[PreparedRow]:
     """Prefill fresh requests (`joins_fresh`) together, one forward per chunk for all of
     them as mlx-lm's BatchGenerator prefills its prompts; then yield each row, in order, as
@@ -125,7 +128,7 @@ def prepare_rows(
         own = [c.extract(i) for c in cache]
         yield _ready(
             model, head, engine, request, own, logits[i : i + 1], hiddens[i],
-            refusal, head_disabled, prefill_step_size,
+            refusal, head_disabled, prefill_step_size, score_prompts,
         )
 
 
@@ -140,8 +143,10 @@ def _ready(
     refusal: str | None,
     head_disabled: bool,
     step_size: int,
+    score_prompt: bool,
 ) -> PreparedRow:
-    """A prefilled row's state, first token and primed head."""
+    """A prefilled row's state, first token and primed head (a sampled row's prompt
+    scored when `score_prompt`: melix_mlx.runtime.prompt_score)."""
     hiddens, fed = whole_prompt(request, hiddens)  # earlier segments included
     context = request.all_tokens + request.prompt
     state = RowState(
@@ -163,8 +168,9 @@ def _ready(
     head_cache = head.make_cache() if head is not None else []
     row_head = RowHead()
     if head is not None and not head_disabled:
-        row_head = engine.prime(head_cache, hiddens, [*fed[1:], state.y], state.params, step_size)
-        mx.eval([c.state for c in head_cache], row_head.draft)
+        pairs = [*fed[1:], state.y]
+        row_head = engine.prime(head_cache, hiddens, pairs, state.params, step_size, score_prompt)
+        mx.eval([c.state for c in head_cache], row_head.draft, row_head.prompt_acceptance)
     mx.eval([c.state for c in cache])
     return PreparedRow(state, cache, head_cache, row_head, logprobs[0])
 

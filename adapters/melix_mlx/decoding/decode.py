@@ -309,7 +309,14 @@ class MTPDecoder:
         disabled = getattr(self.controller, "disabled", False)  # never speculates: no head work
         if self.head is not None and self.refusal is None and not disabled:
             pairs = [*prompt_tokens[1:], y]
-            row = self.engine.prime(self.head_cache, hiddens, pairs, self.params, self.prefill_step_size)
+            score = getattr(self.controller, "prices_prompts", False)
+            row = self.engine.prime(
+                self.head_cache, hiddens, pairs, self.params, self.prefill_step_size, score
+            )
+            if row.prompt_acceptance is not None:
+                # a sampled start: the prompt's acceptance at its settings, not the greedy prior
+                self.controller.price_prompts(float(row.prompt_acceptance.item()), 1)
+                self.steps.reconcile()
             if self.controller is None or self.controller.speculating:
                 # the head's pass over the prompt is prompt processing (the batch path's
                 # rows are primed the same way): before the first token, not in the first

@@ -71,7 +71,7 @@ import mlx.nn as nn
 
 from melix_fsm.pipeline import PIPELINE, PipelineEvent, PipelineTracker
 
-from . import absorbed_mla, capture, rollback
+from . import absorbed_mla, capture, prompt_score, rollback
 from .acceptance import accept_sampled, cap_accepted
 from .cycle_clock import CycleClock
 from .distributed import agreement, rank_error
@@ -87,7 +87,7 @@ from .engine_records import (
     Settled,
     SpeculativeFault,
 )
-from .hidden import forward_with_hidden
+from .hidden import forward_with_hidden, main_parts
 from .logits_processing import call_caller, processed_logprobs
 from .sampling import SamplingParams
 
@@ -151,17 +151,27 @@ class CycleEngine:
         pair_tokens: list[int],
         params: SamplingParams | None,
         step_size: int = 2048,
+        score: bool = False,
     ) -> RowHead:
         """A joining row's head: feed its prompt pairs (h_i, t_{i+1}) into `head_cache`.
 
         In chunks of `step_size` as the prefill feeds the model (each chunk's head cache
         evaluated before the next is built), and only the last slot projected to the
-        vocabulary: the row's first draft is all a prime draws.
+        vocabulary: the row's first draft is all a prime draws. With `score`, a sampled
+        row's prompt is scored too (`RowHead.prompt_acceptance`, lazy:
+        melix_mlx.runtime.prompt_score).
         """
         row = RowHead()
         if self.head is None:
             return row
-        logits, row.hidden = feed_prompt(self.head, head_cache, hiddens, pair_tokens, step_size)
+        sampled = score and params is not None and not params.greedy
+        scored = prompt_score.SLOTS if sampled else 0
+        logits, row.hidden, slots = feed_prompt(
+            self.head, head_cache, hiddens, pair_tokens, step_size, scored
+        )
+        if slots is not None and params is not None:
+            targets = main_parts(self.model).lm_head(hiddens[hiddens.shape[0] - slots.shape[0] :])
+            row.prompt_acceptance = prompt_score.sampled_overlap(targets, slots, params)
         self.head_forwards += 1
         drafts, qs = self._draw(logits, [params])
         row.draft, row.q = drafts, qs[0]

@@ -53,10 +53,17 @@ def draw(logits: mx.array, params: list[SamplingParams | None]) -> tuple[mx.arra
 
 
 def feed_prompt(
-    head: nn.Module, head_cache: list[Any], hiddens: mx.array, pair_tokens: list[int], step_size: int
-) -> tuple[mx.array, mx.array]:
+    head: nn.Module,
+    head_cache: list[Any],
+    hiddens: mx.array,
+    pair_tokens: list[int],
+    step_size: int,
+    scored: int = 0,
+) -> tuple[mx.array, mx.array, mx.array | None]:
     """Feed a prompt's pairs (h_i, t_{i+1}) into `head_cache` in chunks of `step_size`;
-    (logits [1, V], head hidden [1, 1, D]) at the last pair: all a prime draws from."""
+    (logits [1, V], head hidden [1, 1, D]) at the last pair: all a prime draws from. With
+    `scored`, also the head's logits [m, V] at the m <= scored slots before the last (each
+    drafts a token the prompt holds: melix_mlx.runtime.prompt_score), else None."""
     tokens = mx.array(pair_tokens)
     start, n = 0, hiddens.shape[0]
     while n - start > step_size:
@@ -65,8 +72,17 @@ def feed_prompt(
         head(hiddens[None, start:end], tokens[None, start:end], head_cache)
         mx.eval([c.state for c in head_cache])
         start = end
-    rest_h, rest_t, last = hiddens[None, start:], tokens[None, start:], mx.array([n - start - 1])
-    return head_at(head, rest_h, rest_t, head_cache, last)
+    rest_h, rest_t = hiddens[None, start:], tokens[None, start:]
+    m = min(scored, n - start - 1)
+    if m <= 0:
+        logits, hidden = head_at(head, rest_h, rest_t, head_cache, mx.array([n - start - 1]))
+        return logits, hidden, None
+    trunk = getattr(head, "trunk", None)
+    if trunk is None:  # a draft model in the head slot projects every slot anyway
+        every, out = head(rest_h, rest_t, head_cache)
+        return every[:, -1], out[:, -1:], every[0, -m - 1 : -1]
+    out = trunk(rest_h, rest_t, head_cache)
+    return head.logits(out[:, -1:])[:, 0], out[:, -1:], head.logits(out[0, -m - 1 : -1])
 
 
 def stack_pending(rows: list[RowHead], stale: list[int]) -> tuple[mx.array, mx.array, list[int]]:

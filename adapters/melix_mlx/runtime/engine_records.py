@@ -87,6 +87,8 @@ class RowHead:
     hidden: mx.array | None = None  # [1, 1, D] head output at the draft's position (chaining)
     pending_h: list[mx.array] = field(default_factory=list)  # [1, D] pairs not yet fed
     pending_t: list[mx.array] = field(default_factory=list)  # [1] their tokens
+    # what a sampled row's prompt scored at prime (melix_mlx.runtime.prompt_score), lazy
+    prompt_acceptance: mx.array | None = None
 
     @property
     def fresh(self) -> bool:
