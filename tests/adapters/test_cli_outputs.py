@@ -86,6 +86,10 @@ def test_summary_says_when_the_policy_never_drafted() -> None:
     result = {"tokens": [1, 2, 3], "generation_tps": 9.0, "stats": {"accepted": 0, "proposed": 0}}
     line = summary("p", [result], _common(k=1), None)
     assert line == "p: mtp k=1: 3 tokens, 9.0 tok/s, no drafts (the device policy decoded plainly)"
+    result["stats"]["policy"] = {"prompt_acceptance": 0.312}  # a sampled start its prompt priced off
+    line = summary("p", [result], _common(k=1), None)
+    why = "the prompt's sampled acceptance 0.31 does not pay"
+    assert line.endswith(f"no drafts (the device policy decoded plainly: {why})")
 
 
 def test_summary_of_a_plain_decode_says_why() -> None:

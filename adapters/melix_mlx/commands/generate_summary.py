@@ -31,6 +31,15 @@ def _speedup(results: list[dict[str, Any]], receipt: dict[str, Any]) -> str | No
     return f"{predicted:.2f}x plain (predicted)" if predicted is not None else None
 
 
+def _prompt_acceptance(results: list[dict[str, Any]]) -> float | None:
+    """What the sampled prompts scored before the first step (LiveController.price_prompts)."""
+    for r in results:
+        priced = ((r.get("stats") or {}).get("policy") or {}).get("prompt_acceptance")
+        if priced is not None:
+            return float(priced)
+    return None
+
+
 def _how(common: dict[str, Any], results: list[dict[str, Any]]) -> str:
     method = common["method"]
     if method == "none":
@@ -57,7 +66,9 @@ def summary(prog: str, results: list[dict[str, Any]], common: dict[str, Any], wa
         return line
     accepted, proposed = _speculated(results)
     if not proposed:  # admitted, but the device policy kept speculation off throughout
-        return line + ", no drafts (the device policy decoded plainly)"
+        priced = _prompt_acceptance(results)
+        why = f": the prompt's sampled acceptance {priced:.2f} does not pay" if priced is not None else ""
+        return line + f", no drafts (the device policy decoded plainly{why})"
     line += f", acceptance {accepted / proposed:.2f} ({accepted}/{proposed} drafts)"
     speedup = _speedup(results, common["receipt"])
     return line + (f", {speedup}" if speedup is not None else "")
