@@ -339,14 +339,13 @@ class LiveController(LiveEstimates):
         accepted_per_position: Sequence[int] | None = None,
         exclude: bool = False,
         remaining: int | None = None,
+        priced_at: int | None = None,
     ) -> Action:
         """Feed one decode step (a cycle or a plain step); return what to do before the next.
 
         accepted / proposed: the batch's summed verify outcome (0 / 0 for a plain step).
         seconds: the step's wall-clock time (None: the cost model decides alone).
-        tokens: tokens the step emitted over all rows (None: accepted + batch_size); a batch
-        generator draining a batch passes its progress to the end instead (B x the drop in
-        its longest row's budget: melix_mlx.batch_generator, `objective`).
+        tokens: tokens the step emitted over all rows (None: accepted + batch_size).
         accepted_per_position: drafts accepted at positions 1..k, summed over rows.
         exclude: the step overlapped a prefill; count it, do not use its timing. The step
         after a verdict or depth change is excluded the same way: decoders build a step
@@ -356,8 +355,16 @@ class LiveController(LiveEstimates):
         remaining: tokens the run can still emit after this step, at most (a generator's
         longest budget left); None: no end in sight (a queue or a server refills rows). A
         scheduled probe starts only while `probe_min_remaining` tokens are left.
+        priced_at: the batch size whose calibrated plain step these tokens replace (None:
+        batch_size). A generator draining a fixed batch passes the size it drains from:
+        plain would run those rows to their end together, so a token is worth that batch's
+        plain cost however few rows are left, and the tail a speculating batch pays (rows
+        that drifted apart, finishing at a smaller batch) shows as steps worth little
+        (melix_mlx.batch_generator, `objective`).
         """
         self._check(batch_size, accepted, proposed, seconds, tokens, accepted_per_position)
+        if priced_at is not None and priced_at < 1:
+            raise PolicyError(f"live controller: priced_at must be a batch size >= 1, got {priced_at}")
         if remaining is not None and remaining < 0:
             raise PolicyError(f"live controller: remaining must be >= 0, got {remaining}")
         self._remaining = remaining
@@ -367,7 +374,15 @@ class LiveController(LiveEstimates):
         self._batch_size = batch_size
         exclude = exclude or self._switched
         drafted, timed = self._observe(
-            batch_size, accepted, proposed, seconds, tokens, accepted_per_position, exclude, k_before
+            batch_size,
+            accepted,
+            proposed,
+            seconds,
+            tokens,
+            accepted_per_position,
+            exclude,
+            k_before,
+            batch_size if priced_at is None else priced_at,
         )
         if not before:
             self.counters.steps_suspended += 1

@@ -8,7 +8,9 @@ Rules of this module:
   and records samples and prices cycles, and never changes the controller's mode.
 - Samples are comparable across batch sizes: each step's tokens are weighted by
   t_1(B) / B from the calibration (1 / B without one), so a plain step that runs exactly
-  as calibrated scores 1.0 and a speculative one scores its speedup.
+  as calibrated scores 1.0 and a speculative one scores its speedup. B is the batch whose
+  plain step the tokens replace: the step's own, or the size a draining batch started
+  from (`LiveController.update`'s `priced_at`).
 - "Clearly" below or above a threshold means: even z standard errors the other way, the
   estimate stays on its side (`_below`, `_above`).
 """
@@ -129,8 +131,10 @@ class LiveEstimates:
         per_position: Sequence[int] | None,
         exclude: bool,
         k_before: int,
+        priced_at: int,
     ) -> tuple[bool, bool]:
-        """Record acceptance and timing; (whether the step drafted, whether its timing counted)."""
+        """Record acceptance and timing; (whether the step drafted, whether its timing counted).
+        Its tokens are priced at batch `priced_at`'s calibrated plain step (`_weight`)."""
         c = self.counters
         c.steps += 1
         drafted = proposed > 0
@@ -157,7 +161,7 @@ class LiveEstimates:
         if seconds <= 0.0:
             return drafted, False
         emitted = accepted + batch_size if tokens is None else tokens
-        weighted = emitted * self._weight(batch_size)
+        weighted = emitted * self._weight(priced_at)
         if not drafted:
             self.plain.add(weighted, seconds)
         elif k_step == k_before:  # a truncated cycle (fewer drafts than asked) is not a sample of k

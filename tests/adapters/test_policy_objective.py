@@ -1,11 +1,13 @@
 """What a batched step is worth to the live policy (MTPBatchGenerator `objective`).
 
-A fixed batch nobody refills ends with its longest row, so "drain" judges a step by the
-batch's progress to that end (B x the drop in the largest budget left); "throughput"
-counts every emitted token (right while requests wait for rows); "auto" is drain with an
-empty queue and throughput otherwise. Here one row's drafts are scripted right (it races
-ahead) and the other's are wrong (it advances one token a step): under drain the fast
-row's extra tokens are worth nothing, under throughput they count. Tokens stay mlx-lm's.
+Every emitted token counts, priced at some batch's plain step. A fixed batch nobody
+refills ends with its longest row, and plain would run every row to that end together,
+so "drain" prices a token at the batch size the drain started from, also on the tail of
+steps where fewer rows are left; "throughput" prices it at the step's own size (right
+while requests wait for rows); "auto" is drain with an empty queue and throughput
+otherwise. Here one row's drafts are scripted right (it races ahead and leaves) and the
+other's are wrong (it advances one token a step), so the drain has a tail at batch 1.
+Tokens stay mlx-lm's.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ class RecordingController:
 
     def __init__(self) -> None:
         self.events: list = []
-        self.steps: list[tuple[int, int]] = []  # (batch size, tokens)
+        self.steps: list[tuple[int, int, int | None]] = []  # (batch size, tokens, priced at)
 
-    def update(self, batch_size, accepted=0, proposed=0, *, tokens=None, **_):
-        self.steps.append((batch_size, tokens))
+    def update(self, batch_size, accepted=0, proposed=0, *, tokens=None, priced_at=None, **_):
+        self.steps.append((batch_size, tokens, priced_at))
 
     def summary(self) -> dict:
         return {"steps": len(self.steps)}
@@ -65,17 +67,19 @@ def _run(loaded_heads, objective: str, prompts=(FAST, SLOW), **slots):
     return controller.steps, emitted_per_step, waiting
 
 
-def test_drain_counts_the_longest_rows_progress(loaded_heads) -> None:
+def test_drain_prices_every_token_at_the_batch_it_started_from(loaded_heads) -> None:
     steps, emitted, _ = _run(loaded_heads, "drain")
-    # the slow row has the longest budget left: one token a step, until that budget is
-    # used up (each row's first token comes from its prefill, not a step)
-    assert sum(tokens / size for size, tokens in steps) == N - 1
-    assert any(e > tokens for (_, tokens), e in zip(steps, emitted))  # the fast row's extra: not counted
+    assert [tokens for _, tokens, _ in steps] == emitted  # every token counts ...
+    assert {priced for _, _, priced in steps} == {2}  # ... at the two-row batch's plain price
+    assert steps[0][0] == 2 and steps[-1][0] == 1  # also on the tail, after the fast row left
+    # sharp: the fast row's drafts are accepted, so some step emits more than one token a row
+    assert any(tokens > size for size, tokens, _ in steps)
 
 
-def test_throughput_counts_every_token(loaded_heads) -> None:
+def test_throughput_prices_tokens_at_the_steps_own_batch(loaded_heads) -> None:
     steps, emitted, _ = _run(loaded_heads, "throughput")
-    assert [tokens for _, tokens in steps] == emitted and sum(emitted) == 2 * (N - 1)
+    assert [tokens for _, tokens, _ in steps] == emitted and sum(emitted) == 2 * (N - 1)
+    assert all(priced is None for _, _, priced in steps)  # None: the step's own batch size
 
 
 def test_auto_drains_a_fixed_batch_and_counts_tokens_while_requests_wait(loaded_heads) -> None:
@@ -88,7 +92,7 @@ def test_auto_drains_a_fixed_batch_and_counts_tokens_while_requests_wait(loaded_
     assert True in waiting and False in waiting
     for step, waited, counted, drained in zip(steps, waiting, throughput, drain, strict=True):
         assert step == (counted if waited else drained)
-    # sharp: in both phases some step is worth a different amount under the other objective
+    # sharp: in both phases the two objectives price some step differently
     assert any(t != d for t, d, w in zip(throughput, drain, waiting) if w)
     assert any(t != d for t, d, w in zip(throughput, drain, waiting) if not w)
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from melix_fsm.batch import Batch
 from melix_fsm.lifecycle import ADMIT, PLAIN_STEP, VERIFY, draft, verified
 from melix_fsm.policy.controller import LiveController
-from melix_fsm.policy.cost_model import Timings
+from melix_fsm.policy.cost_model import Timings, TimingTable
 from melix_fsm.policy.errors import CalibrationError, PolicyError
 from melix_fsm.policy.live_types import Action, Decision, LiveConfig, LiveReason
 
@@ -543,6 +543,7 @@ def test_bad_inputs_are_typed():
         ((1,), {"seconds": float("nan")}),
         ((1,), {"tokens": -1}),
         ((1, 1, 2), {"accepted_per_position": [0, 0]}),
+        ((1,), {"priced_at": 0}),
     ]:
         with pytest.raises(PolicyError):
             ctrl.update(*args, **kw)
@@ -556,6 +557,24 @@ def test_bad_inputs_are_typed():
         LiveConfig(probe_min_remaining=-1)
     with pytest.raises(PolicyError):
         ctrl.update(1, remaining=-1)
+
+
+def test_tokens_are_priced_at_the_batch_they_replace():
+    """A draining batch's tokens are worth its starting batch's plain cost per token, also
+    on the tail where fewer rows are left (where a token costs more: t_1(B) / B falls
+    with B), so a tail step that emits few tokens scores low."""
+    table = TimingTable.of(
+        Timings(t_1=1.0, t_verify=1.02, t_head=0.08, k=2, batch_size=1),
+        Timings(t_1=2.0, t_verify=2.4, t_head=0.2, k=2, batch_size=8),
+    )
+    own, drained = (LiveController(table, prior=PRIOR, policy="force_off") for _ in range(2))
+    for _ in range(4):  # plain steps of a 2-row tail, one second each
+        own.update(2, seconds=1.0, tokens=2)
+        drained.update(2, seconds=1.0, tokens=2, priced_at=8)
+    t_1_at_2 = table.at(2, 2)[0].t_1  # between the calibrated sizes
+    assert 1.0 < t_1_at_2 < 2.0
+    assert own.plain.value == pytest.approx(2 * t_1_at_2 / 2)  # the tail's own plain: 1.0 x
+    assert drained.plain.value == pytest.approx(2 * 2.0 / 8)  # a quarter of batch 8's pace
 
 
 def test_summary_and_events_are_plain_data():

@@ -34,15 +34,15 @@ Rules of this module:
 - Device policy: an optional `LiveController` (melix_fsm.policy.controller) is fed every
   step's batch size, verify outcomes and seconds; its verdict becomes suspend / resume
   lifecycle events for every row at a cycle boundary. Without one, speculation stays on.
-  What a step is worth (`objective`): "throughput" counts every token emitted, right
-  while requests wait for rows (a finished row is refilled at once); "drain" counts the
-  batch's progress towards its end: B x the drop in the largest budget left (max_tokens
-  minus tokens generated) over its rows. A batch nobody refills ends with its longest
-  row, so a cycle that moves the other rows and not that one gains nothing, and a
-  speculating batch whose rows drift apart pays the tail. "auto" (the default) is drain
-  while no request waits, throughput otherwise; a server, which expects arrivals, passes
-  "throughput". A draining step also passes that largest budget as `remaining`, so the
-  controller runs no probe the batch's end leaves no room to pay for (None otherwise).
+  What a step is worth (`objective`): every emitted token, priced at a plain step's cost
+  per token. "throughput" prices it at the step's own batch size, right while requests
+  wait for rows (a finished row is refilled at once); "drain" at the size the batch
+  drained from: a batch nobody refills ends with its longest row, plain would run all of
+  them to the end together, so a speculating batch whose rows drift apart pays a tail of
+  small-batch steps that emit few tokens each, and those steps score low. "auto" (the
+  default) is drain while no request waits, throughput otherwise; a server, which expects
+  arrivals, passes "throughput". A draining step also passes the longest budget left as
+  `remaining`, so the controller runs no probe the batch's end leaves no room to pay for.
 - Faults: an exception in the head or verify forward faults the rows that were
   speculating; caches are restored and they continue as plain decode. No token is lost.
 """
@@ -153,6 +153,7 @@ class MTPBatchGenerator(BatchAdmission, BatchSurface):
         self._joined: list[Any] = []
         self._left: list[Any] = []
         self._admitted_since = False
+        self._drain_from: int | None = None  # the batch size a drain started from
         self._retired_counters: dict[Any, Any] = {}
         self._init_surface()
 
@@ -219,15 +220,16 @@ class MTPBatchGenerator(BatchAdmission, BatchSurface):
         tic = time.perf_counter()
         size = len(self.batch)
         draining = self.controller is not None and self._draining()
-        budget = self._longest_budget() if draining else 0  # only a controller reads it
+        # a drain's tokens are priced at the batch it started from (`objective`)
+        self._drain_from = max(size, self._drain_from or 0) if draining else None
         generation = self._step()
         # the live policy sees each step's period (a plain step runs between calls)
         seconds = self.steps.step_seconds()
         left = self._longest_budget() if draining else None  # no end in sight while refilled
-        worth = size * (budget - left) if left is not None else len(generation)
         events = self._events.values()  # every row's events of this call (the step's verify outcome)
         exclude, self._admitted_since = self._admitted_since, False  # a prefill ran in the period
-        self.steps.feed(size, events, seconds=seconds, tokens=worth, remaining=left, exclude=exclude)
+        worth = {"tokens": len(generation), "priced_at": self._drain_from}
+        self.steps.feed(size, events, seconds=seconds, remaining=left, exclude=exclude, **worth)
         self._counters.decode_time += time.perf_counter() - tic
         self._counters.generation_tokens += len(generation)
         self._counters.generation_steps += 1

@@ -286,6 +286,7 @@ class StepPipeline:
         tokens: int,
         remaining: int | None,
         exclude: bool = False,
+        priced_at: int | None = None,
     ) -> None:
         """Feed the controller one step's outcome; its verdict becomes lifecycle events."""
         if self.controller is None:
@@ -298,6 +299,7 @@ class StepPipeline:
             tokens=tokens,
             remaining=remaining,
             exclude=exclude,
+            priced_at=priced_at,
         )
         self.reconcile()
 

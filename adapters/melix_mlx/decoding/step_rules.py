@@ -102,8 +102,10 @@ def feed(
     tokens: int,
     remaining: int | None,
     exclude: bool = False,
+    priced_at: int | None = None,
 ) -> None:
-    """Feed the live controller one step: its rows' verify outcome, wall time and worth."""
+    """Feed the live controller one step: its rows' verify outcome, wall time and worth
+    (`tokens` priced at batch `priced_at`'s plain step: LiveController.update)."""
     accepted, proposed, positions = verify_outcome(rows)
     controller.update(
         batch_size,
@@ -114,6 +116,7 @@ def feed(
         accepted_per_position=positions or None,
         exclude=exclude,
         remaining=remaining,
+        priced_at=priced_at,
     )
 
 
