@@ -22,7 +22,8 @@ Rules of this module:
   first depth, and it decides alone only for callers that pass no seconds.
 - Samples are comparable across batch sizes: each step's tokens are weighted by
   t_1(B) / B from the calibration (1 / B without one), so a plain step that runs exactly
-  as calibrated scores 1.0 and a speculative one scores its speedup.
+  as calibrated scores 1.0 and a speculative one scores its speedup (B: the batch whose
+  plain step the tokens replace, `update`'s `priced_at`).
 - Hysteresis: suspend below `suspend_below`, resume above `resume_above`, and no two
   policy switches within `min_dwell` steps; probes back off geometrically while they
   keep confirming the current state.
