@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from melix_mlx.loading.checkpoints import resolve_model
+from melix_mlx.tools import bench as bench_module
 from melix_mlx.runtime.cycle_clock import CycleClock
 from melix_mlx.tools.bench import Bench, _interleaved
 from melix_mlx.tools.bench_results import AUTO_COUNTERS, Cell
@@ -109,3 +111,21 @@ def test_a_failed_calibration_runs_auto_disabled_as_generate_would():
     assert controller is not None and controller.disabled and not controller.speculating
     assert bench._gate(1, 4) == "disabled"
     assert bench._controller(2, 4) is None and bench._gate(2, 4) is None  # never calibrated
+
+
+def test_the_single_cells_are_priced_at_batch_1_whatever_batch_sizes_were_asked(monkeypatch):
+    """`bench --batch-sizes 4` still runs single-sequence cells: their ideal and their auto
+    run are priced from a calibration at batch 1, not extrapolated from batch 4's."""
+    seen: list[list[int]] = []
+
+    def calibrate(self, batch_sizes, ks):
+        seen.append(list(batch_sizes))
+        raise RuntimeError("stop after the calibration's sizes")
+
+    monkeypatch.setattr(Bench, "calibrate", calibrate)
+    options = {"draft_dir": None, "ks": [1], "temps": [0.0], "max_tokens": 4, "repeats": 1}
+    options["show_progress"] = False
+    for asked, calibrated in (([4], [1, 4]), ([8, 1, 4], [1, 4, 8])):
+        with pytest.raises(RuntimeError, match="stop after"):
+            bench_module.run(resolve_model("stdlib-tiny"), batch_sizes=asked, **options)
+        assert seen.pop() == calibrated

@@ -8,7 +8,8 @@
 - SIGTERM on rank 0 drains as on one process (the started stream finishes) and every
   rank exits 0 (rank 0's shutdown command reaches the follower).
 - A follower killed with SIGKILL: the open requests get 503 / an error event with code
-  `rank_lost`, and rank 0 exits 4 within its rank timeout (plus a margin).
+  `rank_lost`, and rank 0 exits 4 within its rank timeout (plus a margin). A follower
+  that hangs (SIGSTOP, slow): the same, found by rank 0's watchdog.
 - What mlx-lm cannot shard is refused at start on every rank, exit 3, typed.
 Also, without a launch: rank 0's command survives the pickle its followers read, the
 cancel flag never crosses ranks, and the watchdog fires once.
@@ -144,12 +145,14 @@ def test_sharded_server_matches_single_process_and_drains(tmp_path: Path) -> Non
     assert sharded == reference
 
 
-@launched
-def test_killed_follower_fails_open_requests_and_rank0_exits(tmp_path: Path) -> None:
+def _lose_follower(tmp_path: Path, how: signal.Signals) -> tuple[Exception | None, tuple, dict, float, str]:
+    """Serve a long request and a stream, send the follower `how` mid-stream: (the stream's
+    error, the plain request's answer, each rank's exit status, seconds from the signal to
+    rank 0's exit, mlx.launch's log)."""
     server = ShardedServer(tmp_path, "--sharding", "tensor", *SERVE)
     try:
         server.wait_ready()
-        plain: dict[str, object] = {}
+        plain: dict[str, tuple] = {}
 
         def long_request() -> None:
             payload = {"prompt": PROMPTS[2], "max_tokens": 4000}
@@ -160,26 +163,55 @@ def test_killed_follower_fails_open_requests_and_rank0_exits(tmp_path: Path) -> 
         time.sleep(0.5)
         stream = client(server.url).completions.create(
             model="stdlib-hybrid", prompt=PROMPTS[0], max_tokens=4000, temperature=0, stream=True)
-        stream_error, killed = None, time.monotonic()
+        stream_error, signalled = None, time.monotonic()
         try:
             for i, _ in enumerate(stream):
                 if i == 2:
-                    os.kill(server.pids[1], signal.SIGKILL)
-                    killed = time.monotonic()
+                    os.kill(server.pids[1], how)
+                    signalled = time.monotonic()
         except Exception as exc:  # openai raises the stream's error event
             stream_error = exc
-        waiter.join(60)
+        waiter.join(RANK_TIMEOUT_S + 60)
+        deadline = time.monotonic() + RANK_TIMEOUT_S + 40
+        while server._ours(server.pids[0]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ended = time.monotonic() - signalled
+        if how == signal.SIGSTOP:  # let the stopped follower take mlx.launch's SIGTERM
+            os.kill(server.pids[1], signal.SIGCONT)
         codes = server.wait_exit(RANK_TIMEOUT_S + 40)
-        ended = time.monotonic() - killed
     finally:
         server.close()
+    return stream_error, plain["answer"], codes, ended, server.stderr
+
+
+def _assert_requests_failed_with_rank_lost(stream_error: Exception | None, answer: tuple) -> None:
     assert stream_error is not None and "rank" in str(stream_error), stream_error
     assert getattr(stream_error, "body", {}).get("code") == "rank_lost", stream_error.body
-    status, _, body = plain["answer"]
+    status, _, body = answer
     assert status == 503 and json.loads(body)["error"]["code"] == "rank_lost", (status, body)
-    assert codes == {1: "-9", 0: "4"}, server.stderr[-3000:]
+
+
+@launched
+def test_killed_follower_fails_open_requests_and_rank0_exits(tmp_path: Path) -> None:
+    stream_error, answer, codes, ended, log = _lose_follower(tmp_path, signal.SIGKILL)
+    _assert_requests_failed_with_rank_lost(stream_error, answer)
+    assert codes == {1: "-9", 0: "4"}, log[-3000:]
     assert ended < RANK_TIMEOUT_S + 40
-    assert '"error": "peer_lost", "rank": 0' in server.stderr
+    assert '"error": "peer_lost", "rank": 0' in log
+
+
+@launched
+@pytest.mark.slow
+def test_hung_follower_is_lost_within_the_rank_timeout(tmp_path: Path) -> None:
+    """A follower that stops answering (SIGSTOP: alive, its connections open, so the ring
+    reports nothing) is lost by rank 0's watchdog: the open requests fail with rank_lost
+    and rank 0 exits 4 within the per-step rank timeout (plus a margin)."""
+    stream_error, answer, codes, ended, log = _lose_follower(tmp_path, signal.SIGSTOP)
+    _assert_requests_failed_with_rank_lost(stream_error, answer)
+    assert "did not return within" in log, log[-3000:]  # the watchdog, not the ring, saw it
+    assert codes.get(0) == "4" and codes.get(1) not in (None, "0"), (codes, log[-3000:])
+    assert RANK_TIMEOUT_S - 3 <= ended < RANK_TIMEOUT_S + 40  # (the last beat: a step before)
+    assert '"error": "peer_lost", "rank": 0' in log
 
 
 @launched

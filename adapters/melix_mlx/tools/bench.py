@@ -582,7 +582,8 @@ def run(
     )
     started = time.perf_counter()
     bar.note("calibrating")
-    calibration = bench.calibrate(batch_sizes, ks)
+    # batch 1 always: the single-sequence cells' ideal and auto are priced there
+    calibration = bench.calibrate(sorted({1, *batch_sizes}), ks)
     results: dict[str, Any] = {
         "schema": "melix-fsm/bench/2",
         "regime": regime() | {"dtype": model_dtype(bench.model)},
