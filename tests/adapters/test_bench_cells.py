@@ -11,8 +11,8 @@ import math
 
 import pytest
 from melix_mlx.loading.checkpoints import resolve_model
-from melix_mlx.tools import bench as bench_module
 from melix_mlx.runtime.cycle_clock import CycleClock
+from melix_mlx.tools import bench as bench_module
 from melix_mlx.tools.bench import Bench, _interleaved
 from melix_mlx.tools.bench_results import AUTO_COUNTERS, Cell
 from melix_mlx.tools.workloads import Prompt
