@@ -75,9 +75,9 @@ def test_steer_picks_only_rows_the_lifecycle_allows(states: list[State], data) -
         assert (i in rows) == expected, (state, speculating, ahead[i])
 
 
-def test_feed_passes_the_outcome_and_the_budget() -> None:
+def test_feed_passes_the_outcome_the_budget_and_the_price() -> None:
     ctrl = Ctrl(True)
-    step_rules.feed(ctrl, 2, [step_rules.step_signals(2, 1)], seconds=0.5, tokens=3, remaining=7)
+    step_rules.feed(ctrl, 2, [step_rules.step_signals(2, 1)], seconds=0.5, tokens=3, remaining=7, priced_at=4)
     (args, kw), = ctrl.updates
     assert args == (2, 1, 2)
     assert kw == {
@@ -86,6 +86,7 @@ def test_feed_passes_the_outcome_and_the_budget() -> None:
         "accepted_per_position": [1, 0],
         "exclude": False,
         "remaining": 7,
+        "priced_at": 4,
     }
 
 
