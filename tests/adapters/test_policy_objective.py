@@ -39,18 +39,22 @@ class RecordingController:
         return {"steps": len(self.steps)}
 
 
-def _run(loaded_heads, objective: str, prompts=(FAST, SLOW), **slots):
-    """(the steps the controller was fed, tokens each step emitted, whether a request
-    waited for a row when the step began) for one greedy run."""
+def _generator(loaded_heads, objective: str, **slots) -> tuple[MTPBatchGenerator, RecordingController]:
     model = loaded_heads["mimo"][0]
     script = FAST + reference(model, FAST, N + 4)
     head = ScriptedHead([script], VOCAB_SIZE, main_parts(model).args.hidden_size)
     controller = RecordingController()
     kw = {} if objective == "default" else {"objective": objective}
     gen = MTPBatchGenerator(model, head, num_draft_tokens=2, controller=controller, **slots, **kw)
+    return gen, controller
+
+
+def _drive(gen: MTPBatchGenerator, controller: RecordingController, prompts) -> tuple[list, list, list]:
+    """(the steps the controller was fed, tokens each step emitted, whether a request
+    waited for a row when the step began) for one greedy run of `prompts` to their end."""
     uids = gen.insert(list(prompts), max_tokens=[N] * len(prompts))
     tokens: dict[int, list[int]] = {uid: [] for uid in uids}
-    emitted_per_step, waiting = [], []
+    steps, emitted_per_step, waiting = [], [], []
     while gen.batch.uids or gen._queue:
         before = len(controller.steps)
         queued = bool(gen._queue)
@@ -61,10 +65,15 @@ def _run(loaded_heads, objective: str, prompts=(FAST, SLOW), **slots):
             tokens[r.uid].append(r.token)
             stepped += not joined
         if len(controller.steps) > before:
+            steps += controller.steps[before:]
             emitted_per_step.append(stepped)
             waiting.append(queued)
-    assert [tokens[u] for u in uids] == [reference(model, p, N) for p in prompts]
-    return controller.steps, emitted_per_step, waiting
+    assert [tokens[u] for u in uids] == [reference(gen.model, p, N) for p in prompts]
+    return steps, emitted_per_step, waiting
+
+
+def _run(loaded_heads, objective: str, prompts=(FAST, SLOW), **slots):
+    return _drive(*_generator(loaded_heads, objective, **slots), prompts)
 
 
 def test_drain_prices_every_token_at_the_batch_it_started_from(loaded_heads) -> None:
@@ -74,6 +83,14 @@ def test_drain_prices_every_token_at_the_batch_it_started_from(loaded_heads) -> 
     assert steps[0][0] == 2 and steps[-1][0] == 1  # also on the tail, after the fast row left
     # sharp: the fast row's drafts are accepted, so some step emits more than one token a row
     assert any(tokens > size for size, tokens, _ in steps)
+
+
+def test_a_new_batch_after_a_drain_is_priced_at_its_own_size(loaded_heads) -> None:
+    gen, controller = _generator(loaded_heads, "drain")
+    first, _, _ = _drive(gen, controller, (FAST, SLOW))
+    assert {priced for _, _, priced in first} == {2}
+    alone, _, _ = _drive(gen, controller, (SLOW,))  # the same generator, one row this time
+    assert alone and {(size, priced) for size, _, priced in alone} == {(1, 1)}
 
 
 def test_throughput_prices_tokens_at_the_steps_own_batch(loaded_heads) -> None:

@@ -220,8 +220,9 @@ class MTPBatchGenerator(BatchAdmission, BatchSurface):
         tic = time.perf_counter()
         size = len(self.batch)
         draining = self.controller is not None and self._draining()
-        # a drain's tokens are priced at the batch it started from (`objective`)
-        self._drain_from = max(size, self._drain_from or 0) if draining else None
+        # a drain's tokens are priced at the batch it started from, or last took rows at (`objective`)
+        fresh = self._drain_from is None or self._admitted_since
+        self._drain_from = (size if fresh else self._drain_from) if draining else None
         generation = self._step()
         # the live policy sees each step's period (a plain step runs between calls)
         seconds = self.steps.step_seconds()
