@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 import mlx.core as mx
+from bench_off_paths import decode_rate  # run from benchmarks/: the one rate helper
 from melix_mlx.batch_generator import MTPBatchGenerator
 from melix_mlx.decode import MTPDecoder
 from melix_mlx.loading import load_with_heads
@@ -44,15 +45,6 @@ def _batch_tps(gen: Any, prompts: list[list[int]], tokens: int) -> float:
     return n / (time.perf_counter() - start)
 
 
-def _single_tps(stream: Any) -> float:
-    n, start = 0, 0.0
-    for _ in stream:
-        n += 1
-        if n == 1:
-            start = time.perf_counter()
-    return (n - 1) / (time.perf_counter() - start)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="stdlib-tiny")
@@ -69,9 +61,9 @@ def main() -> None:
 
     ratios = []
     for p in prompts[:3] * 2:
-        plain = _single_tps(generate_step(mx.array(p), model, max_tokens=args.tokens))
+        plain = decode_rate(generate_step(mx.array(p), model, max_tokens=args.tokens))
         decoder = MTPDecoder(model, head, num_draft_tokens=args.k, **kw)
-        ratios.append(_single_tps(decoder.generate(mx.array(p), args.tokens)) / plain)
+        ratios.append(decode_rate(decoder.generate(mx.array(p), args.tokens)) / plain)
     print(f"run-ahead {args.run_ahead}: single k={args.k} ratio median {statistics.median(ratios):.3f}")
     for size in args.batch_sizes:
         batch = [prompts[i % len(prompts)] for i in range(size)]
