@@ -78,14 +78,15 @@ class ShardedServer:
             os.killpg(self.launcher.pid, signal.SIGKILL)
             self.launcher.wait(EXIT_TIMEOUT_S)
         for pid in self.pids.values():  # a rank left outside the group: by its pid, if still ours
-            if self._ours(pid):
+            if self.owns_rank(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         self._err.close()
         self._out.close()
 
 
-    def _ours(self, pid: int) -> bool:
+    def owns_rank(self, pid: int) -> bool:
+        """Whether `pid` is still a live rank of this server (a zombie or another process: no)."""
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:

@@ -173,7 +173,7 @@ def _lose_follower(tmp_path: Path, how: signal.Signals) -> tuple[Exception | Non
             stream_error = exc
         waiter.join(RANK_TIMEOUT_S + 60)
         deadline = time.monotonic() + RANK_TIMEOUT_S + 40
-        while server._ours(server.pids[0]) and time.monotonic() < deadline:
+        while server.owns_rank(server.pids[0]) and time.monotonic() < deadline:
             time.sleep(0.2)
         ended = time.monotonic() - signalled
         if how == signal.SIGSTOP:  # let the stopped follower take mlx.launch's SIGTERM
