@@ -1,7 +1,9 @@
 """What decoding plainly inside MTPBatchGenerator costs under continuous batching, against
 mlx-lm's BatchGenerator on the same loaded model: policy force_off (the head primed and
-fed, every row suspended) and auto disabled by a failed calibration (no head work), with
-mlx-lm's run repeated as the A/A control. `--requests-per-slot` requests per row slot
+fed, every row suspended), auto disabled by a failed calibration (no head work) and, with
+`--auto`, auto as `melix-fsm bench` builds it (this run's calibration at the batch size, the
+family's prior, sampled rows priced at their prompts' score), with mlx-lm's run repeated as
+the A/A control. `--requests-per-slot` requests per row slot
 (queued requests join as rows finish), sampled or greedy, rounds in alternating order.
 Reported per method: the generators' own decode tokens/s (what `melix-fsm bench` compares)
 and wall-clock tokens/s from insert to the last token (prefill included), each as
@@ -18,13 +20,14 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
 from melix_mlx.batch_generator import MTPBatchGenerator
-from melix_mlx.loading import load_with_heads
 from melix_mlx.loading.checkpoints import resolve_model
 from melix_mlx.runtime.sampling import make_sampler
+from melix_mlx.tools.bench import Bench
 from melix_mlx.tools.workloads import held_out_prompts
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
@@ -53,11 +56,18 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-chars", type=int, default=400)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--auto", action="store_true", help="also run auto, calibrated as the bench cell is")
     args = p.parse_args()
-    model, tokenizer, head, _ = load_with_heads(resolve_model(args.model))
-    texts = [q.text[: args.prompt_chars] for q in held_out_prompts()]
+    model_dir = resolve_model(args.model)
+    cut = [replace(q, text=q.text[: args.prompt_chars]) for q in held_out_prompts(model_dir)]
     n = args.batch_size * args.requests_per_slot
-    prompts = [tokenizer.encode(texts[i % len(texts)]) for i in range(n)]
+    # the bench calibrates at the context these prompts reach
+    bench = Bench.open(
+        model_dir, max_tokens=args.max_tokens, prompts=cut, requests_per_slot=args.requests_per_slot
+    )
+    model, head = bench.model, bench.head
+    calibration = bench.calibrate([args.batch_size], [2]) if args.auto else None
+    prompts = [bench.prompts[i % len(bench.prompts)] for i in range(n)]
     slots = {"completion_batch_size": args.batch_size, "prefill_batch_size": min(args.batch_size, 8)}
     failed = CalibrationError("measurement_timeout", "not measured here")
 
@@ -70,7 +80,9 @@ def main() -> None:
         finally:
             gen.close()
 
-    def ours(seed: int, controller: LiveController) -> tuple[float, float]:
+    shares: list[float] = []
+
+    def ours(seed: int, controller: LiveController | None) -> tuple[float, float]:
         mx.random.seed(seed)
         sampler = make_sampler(temp=args.temp) if args.temp else None
         gen = MTPBatchGenerator(
@@ -79,12 +91,21 @@ def main() -> None:
         )
         return run(gen, prompts, args.max_tokens)
 
+    def auto(seed: int) -> tuple[float, float]:
+        controller = bench.auto_controller(2, args.batch_size)
+        out = ours(seed, controller)
+        if controller is not None:
+            shares.append(1.0 - controller.counters.steps_suspended / max(controller.step, 1))
+        return out
+
     runs: dict[str, Callable[[int], tuple[float, float]]] = {
         "mlx_lm": mlx_lm,
         "force_off": lambda s: ours(s, LiveController(None, policy="force_off")),
         "disabled": lambda s: ours(s, LiveController(failed, policy="auto")),
         "mlx_lm_again": mlx_lm,
     }
+    if args.auto:
+        runs["auto"] = auto
     out: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
     for r in range(args.rounds):
         for name in runs if r % 2 == 0 else reversed(list(runs)):
@@ -98,7 +119,8 @@ def main() -> None:
         }
         for name, v in out.items()
     }
-    print(json.dumps({"args": vars(args), "methods": summary}))
+    extra = {"calibration": calibration, "auto_speculated_share": shares} if args.auto else {}
+    print(json.dumps({"args": vars(args), "methods": summary, **extra}))
 
 
 if __name__ == "__main__":

@@ -75,7 +75,9 @@ def main() -> None:
             tps: dict[str, list[float]] = {}
             counters = {name: dict.fromkeys(COUNTERS, 0) for name in configs}
             for r in range(args.repeats):
-                ctrls = {name: bench._controller(k, batch_size, config=cfg) for name, cfg in configs.items()}
+                ctrls = {
+                    name: bench.auto_controller(k, batch_size, config=cfg) for name, cfg in configs.items()
+                }
                 if path == "single":
                     prompt = bench.prompts[r % len(bench.prompts)]
                     runs = {"plain": partial(single_plain, prompt, r)}

@@ -3,7 +3,8 @@ a batch of B rows (MTPBatchGenerator vs mlx-lm's BatchGenerator).
 
 Usage:
     python benchmarks/bench_widen_cell.py [--model stdlib-hybrid-wide] [--k 2] [--repeats 6]
-        [--max-tokens 48] [--batch-size B] [--temp T] [--regime openblas|reference|current]
+        [--max-tokens 48] [--batch-size B [--requests-per-slot N]] [--temp T]
+        [--regime openblas|reference|current]
 
 The cell is `melix_mlx.tools.bench.Bench.single_cell` (or `batch_cell` with --batch-size) as
 `melix-fsm bench` runs it (held-out prompts from the checkpoint's training report, cut
@@ -41,6 +42,12 @@ def main() -> None:
     )
     p.add_argument("--no-aa-control", action="store_true", help="skip mlx-lm's second run per repeat")
     p.add_argument("--batch-size", type=int, default=0, help="0: the single-sequence cell; B: a batch cell")
+    p.add_argument(
+        "--requests-per-slot",
+        type=int,
+        default=1,
+        help="a batch cell queues B x N held-out prompts for its B rows (a finished row takes the next)",
+    )
     p.add_argument("--temp", type=float, default=0.0)
     p.add_argument("--regime", choices=["openblas", "reference", "current"], default="openblas")
     args = p.parse_args()
@@ -67,6 +74,7 @@ def main() -> None:
         repeats=args.repeats,
         prompts=prompts,
         aa_control=not args.no_aa_control,
+        requests_per_slot=args.requests_per_slot,
         progress=tick,
     )
     bench.calibrate([max(args.batch_size, 1)], [args.k])

@@ -107,10 +107,10 @@ def test_a_failed_calibration_runs_auto_disabled_as_generate_would():
     bench = object.__new__(Bench)
     bench.family, bench.timings = "deepseek_v3", {}
     bench.failures = {1: CalibrationError("measurement_poisoned", "t_1 samples spread 33%")}
-    controller = bench._controller(1, 4)
+    controller = bench.auto_controller(1, 4)
     assert controller is not None and controller.disabled and not controller.speculating
     assert bench._gate(1, 4) == "disabled"
-    assert bench._controller(2, 4) is None and bench._gate(2, 4) is None  # never calibrated
+    assert bench.auto_controller(2, 4) is None and bench._gate(2, 4) is None  # never calibrated
 
 
 def test_the_single_cells_are_priced_at_batch_1_whatever_batch_sizes_were_asked(monkeypatch):

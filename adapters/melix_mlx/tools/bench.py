@@ -223,9 +223,11 @@ class Bench:
         decision, _ = self._decision(k, batch_size)
         return None if decision is None else decision.hardware_gate.value
 
-    def _controller(
+    def auto_controller(
         self, k: int, batch_size: int, depth: int | str | None = None, config: LiveConfig | None = None
     ) -> LiveController | None:
+        """A fresh controller as `generate --device-policy auto` would build it at (k, B):
+        this run's calibration and the family's prior (None: k never calibrated)."""
         decision, prior = self._decision(k, batch_size)
         if decision is None:
             return None
@@ -290,8 +292,8 @@ class Bench:
             return mtp(controller, cycle_clock)
 
         for r in range(self.repeats):
-            controller = self._controller(k, batch_size)
-            chooser = self._controller(k, batch_size, depth="auto") if deepest and k > 1 else None
+            controller = self.auto_controller(k, batch_size)
+            chooser = self.auto_controller(k, batch_size, depth="auto") if deepest and k > 1 else None
             runs: dict[str, Callable[[], Any]] = {
                 "plain": partial(plain, r),
                 "mtp": partial(seeded, r, cycle_clock=clock),
@@ -404,8 +406,8 @@ class Bench:
         depth_k = None
         for r in range(self.repeats):
             prompt = self.prompts[r % len(self.prompts)]
-            controller = self._controller(k, 1)
-            chooser = self._controller(k, 1, depth="auto") if deepest and k > 1 else None
+            controller = self.auto_controller(k, 1)
+            chooser = self.auto_controller(k, 1, depth="auto") if deepest and k > 1 else None
             runs: dict[str, Callable[[], Any]] = {
                 "plain": partial(self._plain_single, prompt, temp, seed=r),
                 "mtp": partial(self._mtp_single, prompt, k, temp, r, clock=clock),
