@@ -121,6 +121,8 @@ def measure(args: argparse.Namespace, regime: str) -> dict[str, Any]:
 
     served = load_served_model(args.model, args.k, "force_on")
     prompts = [p.text for p in held_out_prompts(served.path, per_workload=args.per_workload)]
+    if args.prompt_chars > 0:  # a realistic-size model prefills ~20 tokens/s on a CPU
+        prompts = [text[: args.prompt_chars] for text in prompts]
     ours = start_server(served, max_batch_size=max(args.concurrency))
     theirs_port, stop_theirs = start_mlx_lm(mlx_settings(served, max_batch_size=max(args.concurrency)))
     ours_port = int(ours.url.rstrip("/").rsplit(":", 1)[1])
@@ -147,6 +149,7 @@ def measure(args: argparse.Namespace, regime: str) -> dict[str, Any]:
         "k": served.num_draft_tokens,
         "max_tokens": args.max_tokens,
         "prompts": len(prompts),
+        "prompt_chars": args.prompt_chars,
         "repeats": args.repeats,
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
@@ -189,6 +192,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--per-workload", type=int, default=2)
+    p.add_argument("--prompt-chars", type=int, default=0, help="cut each prompt to N characters (0: whole)")
     p.add_argument("--regime", choices=["current", "reference", "openblas", "both"], default="current")
     p.add_argument("--results", type=Path, default=RESULTS, help="where the .json and .md go")
     args = p.parse_args()
