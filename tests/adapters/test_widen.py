@@ -4,7 +4,8 @@ On small widenings of both embedded layouts (stdlib-tiny: DeepSeek-V3 MLA; stdli
 Qwen3.5 GatedDeltaNet + attention), mlx-lm loads the result, the logits equal the
 source's within float32 summation-order noise (atol 1e-3 on logits of magnitude ~10-20;
 observed ~1e-5), mlx-lm's greedy text is identical, and the project's MTP decoder emits
-the same tokens with the same accepted / rejected counts. The residual stream's new dims
+the same tokens with the same accepted / rejected counts, greedy and sampled (one seed
+draws the same tokens on both). The residual stream's new dims
 are exactly zero and its old dims are the source's times sqrt(D'/D) (the norm rule).
 The new input-side weights are random (not zero), the output is deterministic in the
 seed, and bad sizes are typed errors (the CLI exits 2 with one line). A slow-marked test
@@ -173,6 +174,32 @@ def test_mtp_decode_tokens_and_acceptance_are_identical(variant: str, k: int, wi
         accepted += sb["accepted"]
         rejected += sb["rejected"]
     assert accepted > 0 and rejected > 0  # real acceptance and real rollbacks on both sides
+
+
+@pytest.mark.parametrize("variant", ["hybrid-x2", "tiny-x2"])
+def test_sampled_mtp_decode_is_the_sources_draw_for_draw(variant: str, widened, loaded) -> None:
+    """Sampled speculation (T = 0.7, k = 2) from one seed draws the same tokens and keeps
+    the same drafts on the widened model as on its source: the same target and head
+    distributions through the same acceptance rule, so what the sampling tests prove of
+    the rule holds here, and a bench's sampled cells at size measure the trained model."""
+    from decode_refs import mtp
+    from melix_mlx.runtime.sampling import make_sampler
+
+    src, dst = widened(variant)
+    model_a, tok, head_a, _ = loaded(src)
+    model_b, _, head_b, _ = loaded(dst)
+    accepted = rejected = 0
+    for seed, prompt in enumerate(PROMPTS):
+        ids = _ids(tok, prompt)
+        runs = []
+        for model, head in ((model_a, head_a), (model_b, head_b)):
+            mx.random.seed(seed)
+            tokens, decoder = mtp(model, head, ids, 32, 2, sampler=make_sampler(temp=0.7))
+            runs.append((tokens, decoder.stats["accepted"], decoder.stats["rejected"]))
+        assert runs[1] == runs[0], (variant, prompt)
+        accepted += runs[1][1]
+        rejected += runs[1][2]
+    assert accepted > 0 and rejected > 0  # drafts kept and drafts resampled on both sides
 
 
 def test_new_weights_are_random_inputs_and_zero_outputs(widened) -> None:
