@@ -71,6 +71,7 @@ class Family(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model_types: tuple[str, ...]
     cache_kinds: tuple[str, ...]
     name: str = ""  # filled from the table key
+    runs: str = ""  # the checkpoints people run under this family (the docs' family table)
     head_module: str | None = None
     validated: bool = False
     head_count_keys: tuple[str, ...] = ()

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import html
+import json
 import logging
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.structure.files import File, Files
@@ -28,6 +30,7 @@ from mkdocs.structure.pages import Page
 
 from melix_fsm import diagrams
 from melix_fsm.cli import build_parser
+from melix_fsm.family_table import FAMILIES_TABLE_MARK, families_table
 from melix_fsm.invariants import BATCH_SPEC
 from melix_fsm.spec import MACHINES, BatchSpec, spec_dir
 
@@ -36,6 +39,10 @@ log = logging.getLogger("mkdocs.plugins.melix_docs")
 MACHINE_DIR = "machines"  # generated pages: machines/<name>.md, one per machine plus batch
 SPEC_COPY_DIR = "spec"  # the spec files, copied so that pages can link to them
 CLI_PAGE = "cli.md"
+# the engine efficiency per family at a controlled acceptance (benchmarks/bench_controlled_acceptance.py)
+EFFICIENCY_RESULTS = (
+    Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "controlled-acceptance.json"
+)
 MACHINES_TABLE_MARK = "<!-- melix-docs: machines-table -->"
 _DIAGRAM_DIV = '<div class="melix-diagram" data-machine="{name}"></div>'
 _MERMAID_BLOCK = re.compile(r"```mermaid\n.*?\n```", re.S)
@@ -122,6 +129,18 @@ def machines_table() -> str:
         states = ", ".join(f"`{s}`" for s in spec.states)
         rows.append(f"| [{title}](../spec/diagrams/{name}.md) | `{spec.initial}` | {finals} | {states} |")
     return "\n".join(rows)
+
+
+def measured_efficiency(path: Path = EFFICIENCY_RESULTS) -> dict[str, str]:
+    """Family -> "batch 1 / batch 4" efficiency from the controlled-acceptance bench's results."""
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    out = {}
+    for family, cells in data.get("families", {}).items():
+        figures = [cells.get(key) for key in ("batch_1", "batch_4")]
+        out[family] = " / ".join("-" if f is None else f"{f:.2f}" for f in figures)
+    return out
 
 
 # -- the CLI reference -------------------------------------------------------------
@@ -239,6 +258,8 @@ def _spec_link(page: Page, match: re.Match[str]) -> str:
 def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:
     if MACHINES_TABLE_MARK in markdown:
         markdown = markdown.replace(MACHINES_TABLE_MARK, machines_table())
+    if FAMILIES_TABLE_MARK in markdown:
+        markdown = markdown.replace(FAMILIES_TABLE_MARK, families_table(measured_efficiency()))
     if page.file.src_uri.startswith(f"{MACHINE_DIR}/"):
         return markdown  # generated pages link to the site's copies already
     return _SPEC_LINK.sub(lambda m: _spec_link(page, m), markdown)
@@ -255,4 +276,3 @@ def on_page_content(html_text: str, page: Page, config: MkDocsConfig, files: Fil
         return f'<div class="melix-diagram" data-machine="{name}">\n{svg}</div>'
 
     return re.sub(r'<div class="melix-diagram" data-machine="([a-z_]+)"></div>', inline, html_text)
-

@@ -162,6 +162,15 @@ def test_cli_reference_lists_every_command_and_option(site: Path) -> None:
                     assert f"<code>{flag}" in text, (name, flag)
 
 
+def test_families_page_has_a_row_per_registry_family(site: Path) -> None:
+    from melix_fsm.registry import registry
+
+    text = (site / "families.html").read_text(encoding="utf-8")
+    assert "melix-docs: families-table" not in text  # the hook replaced its marker
+    rows = re.findall(r"<tr>\s*<td><strong>([a-z0-9_]+)</strong>", text)
+    assert sorted(rows) == sorted(registry().families)
+
+
 def test_overview_links_every_machine(site: Path) -> None:
     source = (ROOT / "docs" / "lifecycle.md").read_text(encoding="utf-8")
     built = (site / "lifecycle.html").read_text(encoding="utf-8")
