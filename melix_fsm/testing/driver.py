@@ -21,6 +21,14 @@ Rules of this module:
   melix_fsm `Batch` in `.batch`, its order, states and invariants must match the mirror.
   `check_events=None` (the default) checks events exactly when the generator has a
   `last_report`.
+- Divergences (melix_fsm.testing.divergence): without a `judge` every token that differs
+  from the reference is a bug (exact: the identity tests). With one, the first divergent
+  position of a request is judged by the reference's logits there: a near-tie (within the
+  dtype's rounding scale) is recorded and ends the checks of that request's tokens (its
+  stream continues from another context); anything else is `tokens_match_reference` as
+  before, with the measured gap in its message and on the error (`divergence`). The judge
+  counts the tokens compared. A request that ends short of or past the reference without
+  a differing token is a bug either way.
 - A sampled schedule (`check_tokens=False`: the generator samples at T > 0, so no greedy
   reference applies) checks everything but the tokens' values: each request gets at most
   `max_tokens` tokens and none after a completed stop sequence (`sampled_budget`). Its
@@ -45,10 +53,11 @@ from melix_fsm.batch import Batch
 from melix_fsm.invariants import InvariantViolation
 from melix_fsm.lifecycle import Event
 
+from .divergence import BUG, Divergence, DivergenceJudge
 from .mirror import ConformanceError, ReportMirror
 from .reference import Reference, cut_at_stop, memoized, mlx_greedy_reference
 from .surfaces import Emission, SurfaceError, as_surface
-from .tokens import check_sampled, mismatch, note_joins, where
+from .tokens import check_sampled, first_difference, mismatch, note_joins, where
 
 StopBuilder = Callable[[Sequence[Sequence[int]]], Any]
 
@@ -96,6 +105,7 @@ class Tracked:
     tainted: bool = False  # hit a known (skipped) wrong-tokens bug: its tokens go unchecked
     ragged: bool = False  # got its first token with a prompt of another length (left padding)
     joined_running: bool = False  # got its first token while another request was generating
+    divergence: Divergence | None = None  # a judged near-tie that ended the checks of its tokens
 
 
 class ConformanceDriver:
@@ -114,9 +124,11 @@ class ConformanceDriver:
         surface: str = "auto",
         known: Callable[[ConformanceError], bool] | None = None,
         check_tokens: bool = True,
+        judge: DivergenceJudge | None = None,
     ) -> None:
         self.gen = generator
         self.check_tokens = check_tokens
+        self.judge = judge  # None: every divergence is a bug (exact)
         self.known = known  # token mismatches it accepts taint their request instead of failing
         self.surface = as_surface(generator, surface, make_stops)
         self.reference = reference
@@ -237,25 +249,50 @@ class ConformanceDriver:
             t = self.by_uid[uid]
             if t.status == QUEUED:  # without reports, the first token is the join
                 t.status = LIVE
+            checked = self.check_tokens and not t.tainted
             t.got.extend(tokens)
             if not self.check_tokens:
                 check_sampled(t)
-            elif not t.tainted and tuple(t.got) != t.expected[: len(t.got)]:
-                wrong.append(ConformanceError("tokens_match_reference", mismatch(t), uid, where(t)))
+            elif checked and tuple(t.got) != t.expected[: len(t.got)]:
+                err = self._diverged(t)
+                if err is not None:
+                    wrong.append(err)
+            if checked and self.judge is not None:  # up to the divergent token, when one ended the checks
+                before = len(t.got) - len(tokens)
+                self.judge.count_tokens(len(tokens) if not t.tainted else first_difference(t) + 1 - before)
         for uid in finished:
             t = self.by_uid[uid]
             t.status = FINISHED
             complete = not self.check_tokens or t.tainted or tuple(t.got) == t.expected
             if not complete and not any(e.uid == uid for e in wrong):
-                wrong.append(
-                    ConformanceError("tokens_match_reference", mismatch(t, finished=True), uid, where(t))
-                )
+                err = self._diverged(t, finished=True)
+                if err is not None:
+                    wrong.append(err)
         for err in wrong:
             if self.known is None or not self.known(err):
                 raise err
             # a known wrong-tokens bug: the generator is still coherent, so the example goes
             # on without checking this request's tokens again
             self.by_uid[err.uid].tainted = True
+
+    def _diverged(self, t: Tracked, finished: bool = False) -> ConformanceError | None:
+        """The error of a request whose tokens left the reference's; None for a judged near-tie."""
+        at = first_difference(t)
+        found = None
+        if self.judge is not None and at < min(len(t.got), len(t.expected)):
+            found = self.judge.judge(
+                t.spec.prompt, t.expected[:at], t.expected[at], t.got[at], request=t.index, where=where(t)
+            )
+            if found.kind != BUG:
+                t.divergence = found
+                t.tainted = True  # its stream goes on from another context: not comparable
+                return None
+        detail = mismatch(t, finished=finished)
+        if found is not None:
+            detail += f"; {found.text()} (contract: {self.judge.contract.describe()})"
+        err = ConformanceError("tokens_match_reference", detail, t.uid, where(t))
+        err.divergence = found  # type: ignore[attr-defined]
+        return err
 
     def _check_report(self, per_uid: dict[Any, list[int]], finished: list[Any]) -> None:
         report = self.surface.report()
@@ -364,6 +401,7 @@ def replay(
     check_events: bool | None = None,
     allow_faults: bool = False,
     surface: str = "auto",
+    judge: DivergenceJudge | None = None,
 ) -> ConformanceDriver:
     """Re-run a recorded schedule on a fresh generator; raises the same ConformanceError.
 
@@ -381,6 +419,7 @@ def replay(
         check_events=check_events,
         allow_faults=allow_faults,
         surface=surface,
+        judge=judge,
     )
     driver.run(schedule)
     return driver

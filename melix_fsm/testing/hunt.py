@@ -20,6 +20,9 @@ Rules of this module:
 - A schedule that starts with a sampling marker runs on `sampled_factory()` with token
   values unchecked (melix_fsm.testing.driver); all others on `generator_factory()`.
 - `progress(kind, value)`, when given, hears of each probe, example, round and bug.
+- `judge` (a machine option): the divergence contract, given to every driver of the
+  probes and rounds (they count tokens and divergences in its ledger); the replays that
+  shrink a bug use its `silent()` twin, so a bug is not counted once per replay.
 - Every round runs without Hypothesis's example database: a known bug must not be
   replayed first in the next round, and runs stay independent of earlier ones.
 - Pure core: no mlx.
@@ -36,6 +39,7 @@ import hypothesis
 from hypothesis import settings as Settings
 from hypothesis.stateful import get_state_machine_test
 
+from .divergence import Divergence
 from .driver import ConformanceDriver
 from .machine import make_conformance_machine, profile_settings
 from .mirror import ConformanceError
@@ -58,6 +62,7 @@ class Bug:
     seed: int | None
     flaky: bool = False
     also_seen: list[str] = field(default_factory=list)  # other runs that hit the same signature
+    divergence: Divergence | None = None  # a wrong token's measured gap, when a judge ran
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -69,6 +74,7 @@ class Bug:
             "seed": self.seed,
             "flaky": self.flaky,
             "also_seen": list(self.also_seen),
+            "divergence": self.divergence.as_dict() if self.divergence is not None else None,
         }
 
 
@@ -128,7 +134,7 @@ def hunt_bugs(
     base = seed if seed is not None else random.SystemRandom().randrange(2**32)
     driver_options = {
         k: machine_options[k]
-        for k in ("make_stops", "check_events", "allow_faults", "surface")
+        for k in ("make_stops", "check_events", "allow_faults", "surface", "judge")
         if k in machine_options
     }
 
@@ -161,7 +167,7 @@ def hunt_bugs(
                     break
                 if err is None or known(err):
                     break
-                shrink_args = (generator_factory, reference, driver_options, max_replays, known)
+                shrink_args = (generator_factory, reference, _silent(driver_options), max_replays, known)
                 record(_shrunk_bug(err, False, base, *shrink_args), err)
 
     for round_index in range(max_rounds):
@@ -184,14 +190,19 @@ def hunt_bugs(
             err, flaky = _conformance_error(exc)
             if err is None:
                 raise
-            bug = _shrunk_bug(
-                err, flaky, round_seed, generator_factory, reference, driver_options, max_replays, known
-            )
+            quiet = _silent(driver_options)
+            bug = _shrunk_bug(err, flaky, round_seed, generator_factory, reference, quiet, max_replays, known)
             record(bug, err)
             continue
         break
     result.examples = counter[0]
     return result
+
+
+def _silent(driver_options: dict[str, Any]) -> dict[str, Any]:
+    """Driver options whose judge (if any) counts nothing: for the replays of a shrink."""
+    judge = driver_options.get("judge")
+    return {**driver_options, "judge": judge.silent()} if judge is not None else driver_options
 
 
 def _conformance_error(exc: BaseException) -> tuple[ConformanceError | None, bool]:
@@ -259,4 +270,7 @@ def _shrunk_bug(
         schedule = shrink_schedule(found, fails, max_replays=max_replays)
         final = replay_error(schedule, factory, reference, known=known, **driver_options) or err
     schedule = clean(final.schedule or schedule)
-    return Bug(signature_of(final), final.prop, final.detail, schedule, len(found), seed, flaky)
+    divergence = getattr(final, "divergence", None)
+    bug = Bug(signature_of(final), final.prop, final.detail, schedule, len(found), seed, flaky)
+    bug.divergence = divergence
+    return bug

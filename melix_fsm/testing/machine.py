@@ -39,6 +39,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from .divergence import DivergenceJudge
 from .driver import ConformanceDriver, RequestSpec, StopBuilder
 from .mirror import ConformanceError
 from .reference import Reference, memoized, mlx_greedy_reference
@@ -87,6 +88,7 @@ def make_conformance_machine(
     skip: Callable[[ConformanceError], bool] | None = None,
     counter: list[int] | None = None,
     on_example: Callable[[], None] | None = None,
+    judge: DivergenceJudge | None = None,
 ) -> type[RuleBasedStateMachine]:
     """A RuleBasedStateMachine class checking `generator_factory()` against `reference`.
 
@@ -94,7 +96,8 @@ def make_conformance_machine(
     insert_options: extra per-request keyword arguments of `insert` (each drawn per
     request and passed as a list), e.g. {"num_draft_tokens": st.integers(1, 3)}; values
     must be plain data so they fit the JSON schedule. `counter`: a one-item list whose
-    item counts the examples started (the caller's budget).
+    item counts the examples started (the caller's budget). `judge`: the divergence
+    contract (melix_fsm.testing.divergence); None compares tokens exactly.
 
     Over 80 lines: the class it returns is defined here, closing over these options (what
     Hypothesis's rule-based machines need: rules are class attributes).
@@ -129,6 +132,7 @@ def make_conformance_machine(
                 seed=seed,
                 surface=surface,
                 known=skip,
+                judge=judge,
             )
 
         def guarded(self, operation: Callable[[], Any]) -> None:

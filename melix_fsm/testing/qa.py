@@ -24,6 +24,10 @@ Rules of this module:
   ", joined running batch") are one cause, reported as one entry with its variants
   (first token / later token); crashes are grouped by signature, and a crash seen by
   the exactness and the sampling run is one entry.
+- Divergences: with a `judge` in `hunt_options` (melix_fsm.testing.divergence), every
+  wrong token is classified by the reference's margin; near-ties are counted, not
+  bugs, and the report gives their rate per 1,000 tokens compared and a histogram of
+  gaps (`divergence`); without one, tokens are compared exactly and the report says so.
 - `replay_schedule` re-runs any bug's schedule (operations of the driver, a sampled
   schedule, or a `sample` operation) at the schedule's own temperature, and returns the
   ConformanceError it raises, or None when it passes.
@@ -45,6 +49,7 @@ from .distribution import (
     draw_with_restarts,
     measure_distribution,
 )
+from .divergence import DivergenceLedger
 from .hunt import Bug, HuntResult, group_causes, hunt_bugs, replay_error
 from .mirror import PROPERTIES, ConformanceError
 from .reference import Reference, memoized
@@ -63,6 +68,7 @@ class QaReport:
     distribution_bug: Bug | None = None
     distribution_note: str = ""
     sampling_crashes: list[Bug] | None = None  # crashes seen only by the distribution run
+    divergence: DivergenceLedger | None = None  # the contract's ledger; None: compared exactly
 
     @property
     def all_bugs(self) -> list[Bug]:
@@ -100,6 +106,7 @@ class QaReport:
             },
             "distribution": self.distribution.as_dict() if self.distribution else None,
             "distribution_note": self.distribution_note,
+            "divergence": self.divergence.as_dict() if self.divergence is not None else {"contract": "exact"},
             "bugs": bugs,
             "verdict": "fail" if self.all_bugs else "pass",
         }
@@ -120,6 +127,10 @@ class QaReport:
             f"{len(group_causes(self.hunt.bugs))} distinct bug(s)"
             + (f"; skipped {', '.join(self.hunt.skipped)}" if self.hunt.skipped else ""),
         ]
+        if self.divergence is not None:
+            lines += self.divergence.text_lines("divergences (exactness run)")
+        else:
+            lines.append("divergences: compared exactly (no contract: every differing token is a bug)")
         lines.append(_distribution_line(self))
         if self.distribution is not None:
             for p in self.distribution.positions:
@@ -199,7 +210,8 @@ def run_session(
         progress=progress,
         **hunt_options,
     )
-    report = QaReport(dict(settings), events, hunt)
+    judge = hunt_options.get("judge")
+    report = QaReport(dict(settings), events, hunt, divergence=judge.ledger if judge is not None else None)
     if temperature <= 0:
         report.distribution_note = "temperature 0: pass --temperature T > 0"
     elif sampling_note:

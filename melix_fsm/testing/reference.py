@@ -29,8 +29,9 @@ def _mlx_reference_module() -> Any:
     found = sorted(entry_points(group=DEFAULTS_GROUP), key=lambda e: e.name)
     if not found:
         raise ConfigError(
-            "reference", f"no {DEFAULTS_GROUP!r} provider is installed: pass a reference decoder "
-            "and stop builder, or install melix-fsm with its mlx extra"
+            "reference",
+            f"no {DEFAULTS_GROUP!r} provider is installed: pass a reference decoder "
+            "and stop builder, or install melix-fsm with its mlx extra",
         )
     return found[0].load()
 

@@ -15,10 +15,21 @@ Rules of this file:
   left), `crash_on_early_remove` (remove deletes draft state a row only gets at its
   first decode step), `stale_mask_on_extend` (joiners inherit rejection flags instead of
   starting clean), `unmasked_left_padding` (the pad tokens reach the shorter prompts).
+- Three more (`CYCLE_BUGS`) plant the classic errors of a speculative cycle:
+  `off_by_one_acceptance` (one draft more than matched is accepted), `stale_row_after_filter`
+  (after rows leave, each survivor's last token is read at its old row index) and
+  `wrong_rollback` (one rejected slot fewer than rejected is trimmed).
+- `verify_noise=True` simulates a platform whose verify rounds differently: the verify's
+  next token is the argmax of `toy_logits` (whose argmax is `toy_next`) perturbed per
+  context, deterministically, by up to half the divergence contract's bound in
+  bfloat16 (`NOISE_ULPS` ulps of the largest logit), so only near-ties can flip;
+  prefill and drafts are unperturbed. `toy_logits` has a near-tie every fourth context
+  length (the runner-up `NEAR_TIE_GAP` below the top) and every other gap at least 1.
 """
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +38,31 @@ from .toy_generator import Response, toy_next
 
 PAD = 0
 BUGS = ("crash_when_all_finished", "crash_on_early_remove", "stale_mask_on_extend", "unmasked_left_padding")
+CYCLE_BUGS = ("off_by_one_acceptance", "stale_row_after_filter", "wrong_rollback")
+VOCAB = 48
+TOP, NEAR_TIE_GAP = 10.0, 0.01
+NOISE_ULPS = 4.0  # half the contract's default bound (8 ulps): a flip needs a gap under 8 ulps
+BF16_EPS = 2.0**-7
+
+
+def toy_logits(context: list[int] | tuple[int, ...]) -> list[float]:
+    """Logits whose argmax is toy_next; a near-tie at every fourth context length."""
+    best = toy_next(context)
+    spread = sum(context) * 13 + len(context)
+    z = [TOP - 1.0 - ((v * 31 + spread) % 17) / 4 for v in range(VOCAB)]
+    z[best] = TOP
+    if len(context) % 4 == 0:
+        z[(best + 2 - 3) % 40 + 3] = TOP - NEAR_TIE_GAP
+    return z
+
+
+def noisy_next(context: list[int] | tuple[int, ...]) -> int:
+    """toy_logits' argmax after a deterministic perturbation of NOISE_ULPS bfloat16 ulps."""
+    z = toy_logits(context)
+    amplitude = NOISE_ULPS * BF16_EPS * max(abs(v) for v in z)
+    rng = random.Random(f"verify {list(context)}")  # a str seed: the same on every run
+    noisy = [v + rng.uniform(-amplitude, amplitude) for v in z]
+    return max(range(VOCAB), key=noisy.__getitem__)
 
 
 @dataclass
@@ -43,11 +79,14 @@ class Row:
 class PaddedToyGenerator:
     """See the module rules; every bug flag is off by default (the correct generator)."""
 
-    def __init__(self, k: int = 2, prefill_batch_size: int = 3, **bugs: bool) -> None:
-        unknown = set(bugs) - set(BUGS)
+    def __init__(
+        self, k: int = 2, prefill_batch_size: int = 3, verify_noise: bool = False, **bugs: bool
+    ) -> None:
+        unknown = set(bugs) - set(BUGS + CYCLE_BUGS)
         if unknown:
             raise ValueError(f"unknown planted bugs {sorted(unknown)}")
-        self.bugs = {name: bool(bugs.get(name)) for name in BUGS}
+        self.bugs = {name: bool(bugs.get(name)) for name in BUGS + CYCLE_BUGS}
+        self.verify_next = noisy_next if verify_noise else toy_next
         self.k = k
         self.prefill_batch_size = prefill_batch_size
         self.rows: list[Row] = []
@@ -80,8 +119,9 @@ class PaddedToyGenerator:
         out: list[Response] = []
         done: set[int] = set()
         for i, row in enumerate(self.rows):  # the deferred trim of rejected slots
-            if self.mask[i]:
-                row.cache = row.cache[: -self.mask[i]]
+            trim = self.mask[i] - (1 if self.bugs["wrong_rollback"] and self.mask[i] else 0)
+            if trim:
+                row.cache = row.cache[:-trim]
             self.mask[i] = 0
         for i, row in enumerate(self.rows):
             self.spec.setdefault(row.uid, 0)
@@ -92,9 +132,11 @@ class PaddedToyGenerator:
                 drafts.append(guess + 1 if len(context) % 3 == 0 else guess)
                 context.append(drafts[-1])
             a = 0
-            while a < k and drafts[a] == toy_next(row.cache + [row.y] + drafts[:a]):
+            while a < k and drafts[a] == self.verify_next(row.cache + [row.y] + drafts[:a]):
                 a += 1
-            bonus = toy_next(row.cache + [row.y] + drafts[:a])
+            if self.bugs["off_by_one_acceptance"] and a < k:
+                a += 1
+            bonus = self.verify_next(row.cache + [row.y] + drafts[:a])
             row.cache = row.cache + [row.y] + drafts  # every fed slot; the rejected ones trim next step
             self.mask[i] = k - a
             row.y = bonus
@@ -145,16 +187,20 @@ class PaddedToyGenerator:
         return False
 
     def _keep(self, keep: list[int]) -> None:
+        if self.bugs["stale_row_after_filter"] and keep != list(range(len(keep))):
+            stale = [self.rows[j].y for j in range(len(keep))]  # read at the old row index
+            for i, y in zip(keep, stale):
+                self.rows[i].y = y
         self.rows = [self.rows[i] for i in keep]
         self.mask = [self.mask[i] for i in keep]
 
 
-def planted(*bugs: str) -> type[PaddedToyGenerator]:
+def planted(*bugs: str, verify_noise: bool = False) -> type[PaddedToyGenerator]:
     """A PaddedToyGenerator class with these bugs planted (a zero-argument factory)."""
 
     class Planted(PaddedToyGenerator):
         def __init__(self) -> None:
-            super().__init__(**{b: True for b in bugs})
+            super().__init__(verify_noise=verify_noise, **{b: True for b in bugs})
 
     Planted.__name__ = "Planted_" + "_".join(bugs) if bugs else "Correct"
     return Planted
