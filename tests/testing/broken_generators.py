@@ -7,7 +7,10 @@ Rules of this file:
   the kit must catch the bug from its outcomes, not from a confession.
 - The bugs are the ones speculative batching gets wrong in practice: per-row state lost
   on a reshape, a rollback applied to the wrong row, drafts streamed before their
-  verify, rows reordered on join.
+  verify, rows reordered on join; and the classic cycle errors the divergence contract
+  must still call bugs in every dtype (`CYCLE_BUGS`): one draft more accepted than
+  matched, a survivor's last token read at its old row index after a filter, and a
+  rollback applied to the wrong row.
 """
 
 from __future__ import annotations
@@ -119,10 +122,39 @@ class ReordersOnExtend(MTPBatchGenerator):
         return responses
 
 
+class AcceptsOneTooMany(MTPBatchGenerator):
+    """Acceptance off by one: one draft more than matched is accepted (up to the row's k)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        original = self.engine._accept
+
+        def one_more(plans: Any, ks: Any, K: int, *rest: Any) -> Any:
+            accepted, bonus = original(plans, ks, K, *rest)
+            return mx.minimum(accepted + 1, mx.array(ks, dtype=accepted.dtype)), bonus
+
+        self.engine._accept = one_more  # the instance's own: the engine calls self._accept
+
+
+class StaleRowAfterFilter(MTPBatchGenerator):
+    """After rows leave, each survivor's last token is read at its old row index."""
+
+    def _filter(self, keep: list[int]) -> None:
+        before = self.engine.y
+        super()._filter(keep)
+        if keep and keep != list(range(len(keep))):
+            self.engine.y = before[: len(keep)]
+
+
 BROKEN = {
     "drops_state_on_filter": DropsStateOnFilter,
     "drops_head_pairs_on_filter": DropsHeadPairsOnFilter,
     "rolls_back_wrong_row": RollsBackWrongRow,
     "emits_drafts_before_verify": EmitsDraftsBeforeVerify,
     "reorders_on_extend": ReordersOnExtend,
+}
+CYCLE_BUGS = {
+    "off_by_one_acceptance": AcceptsOneTooMany,
+    "stale_row_after_filter": StaleRowAfterFilter,
+    "wrong_rollback": RollsBackWrongRow,
 }
