@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -97,6 +97,19 @@ class Receipt(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     operator_override: bool
     refusal_reason: RefusalReason | None
     message: str
+
+    def to_json(self) -> bytes:
+        """The receipt as indented, byte-stable JSON (`receipt_json`)."""
+        return receipt_json(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The receipt as plain JSON-ready data (what `--json` and the server print)."""
+        return msgspec.to_builtins(self)
+
+    @property
+    def speculates(self) -> bool:
+        """Does this receipt let the run speculate (admitted, and the hardware gate did not close)?"""
+        return self.mode is Mode.accepted and self.refusal_reason is None
 
 
 def receipt_json(receipt: Receipt) -> bytes:

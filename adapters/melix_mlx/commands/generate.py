@@ -29,6 +29,12 @@ Rules of this module:
   $XDG_CACHE_HOME/melix-fsm, else ~/.cache/melix-fsm) and used; stderr says so and the
   JSON's `model_source` is "fallback_random_tiny".
 - Decoding: melix_mlx.commands.generate_decode (one prompt streamed, several batched).
+  The JSON's "receipt" and "stats" are the library's typed records' own plain data
+  (melix_fsm.receipt.Receipt.to_dict, melix_fsm.stats.GenerationStats.to_dict).
+- The device policy's calibration is reused from the calibration cache when this model
+  was calibrated on this machine before (melix_mlx.decoding.calibration_cache;
+  MELIX_FSM_CALIBRATION_CACHE=off measures every start); the receipt's hardware detail
+  says so.
 - Exit status (melix_fsm.cli): 0 ok; 2 usage error or unreadable input; 3 typed refusal
   of an explicit method, or of a serving context nothing can run, or of `--sharding`
   (`unsupported_sharding`); 4 under `--sharding`, a rank failed or the ranks disagreed
@@ -193,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(first, int):
         return first
     receipt, machine, preloaded = first
+    from melix_mlx.decoding.calibration_cache import default_cache
     from melix_mlx.decoding.startup import StartFailed, StartRefused, start
 
     def priced_context(tokenizer: Any) -> int:
@@ -210,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
             receipt=receipt,
             machine=machine,
             preloaded=preloaded,
+            calibration_cache=default_cache(),
         )
     except StartRefused as exc:
         return _refused(exc.receipt, exc.reason, exc.message, EXIT_USAGE if exc.usage else EXIT_REFUSED)

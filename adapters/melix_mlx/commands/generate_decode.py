@@ -53,7 +53,7 @@ def decode_single(
         "tokens": tokens,
         "text": text,
         "finish_reason": last.finish_reason,
-        "stats": last.stats,
+        "stats": last.stats.to_dict(),  # the typed record the library hands out (melix_fsm.stats)
         "prompt_tps": last.prompt_tps,
         "generation_tps": last.generation_tps,
     }
@@ -103,7 +103,7 @@ def decode_batched(
                 result["tokens"].append(r.token)
             if r.finish_reason is not None:
                 result["finish_reason"] = r.finish_reason
-                result["stats"] = r.stats
+                result["stats"] = r.stats.to_dict()
                 done += 1
     gen.close()
     for result in results:

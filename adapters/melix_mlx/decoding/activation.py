@@ -29,6 +29,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import msgspec
 
 from melix_fsm.config import AUTO_DEPTH, SpeculativeConfig
 from melix_fsm.policy.controller import LiveController
@@ -78,6 +79,7 @@ def evaluate(
     live: LiveConfig | None = None,
     group: Any = None,
     context: int | None = None,
+    cache: Any = None,
 ) -> Activation:
     """Measure (under auto), decide, and return the updated receipt and the controller.
 
@@ -86,6 +88,9 @@ def evaluate(
     context: tokens the run's caches will hold (e.g. the longest prompt plus half the
     tokens to generate): attention costs grow with it, so the prior prices the run's own
     forwards. Capped at MAX_CONTEXT (the budget prefills it B times); None: a short prompt.
+    cache: a melix_mlx.decoding.calibration_cache.CalibrationCache to reuse a stored
+    calibration of this model on this machine from (one process only: ranks of a group
+    always measure together); the receipt's hardware detail says when it did.
     """
     if group is None:  # a model sharded by melix_mlx.runtime.distributed carries its group
         from ..runtime.distributed import group_of
@@ -100,11 +105,26 @@ def evaluate(
         replay_on_reject = replays_on_reject(model)
     table: TimingTable | None = None
     measured: Any = None
+    reused = None
     if policy is Policy.auto:
         tokens = PROMPT_LEN if context is None else max(PROMPT_LEN, min(context, MAX_CONTEXT))
-        result = calibrate(
-            model, head, batch_sizes=(batch_size,), k=max_k, budget_s=budget_s, group=group, context=tokens
-        )
+
+        def measure(tokens: int) -> Any:
+            return calibrate(
+                model,
+                head,
+                batch_sizes=(batch_size,),
+                k=max_k,
+                budget_s=budget_s,
+                group=group,
+                context=tokens,
+            )
+
+        if cache is not None and (group is None or group.size() == 1):
+            key = calibration_key(model, head, receipt, batch_size=batch_size, k=max_k, context=tokens)
+            result, reused = cache.fetch(key, measure)
+        else:
+            result = measure(tokens)
         if isinstance(result, TimingTable):
             table = result
         measured = result  # a TimingTable, or the typed CalibrationError the controller disables on
@@ -133,11 +153,34 @@ def evaluate(
         replay = replay_rate(prior.acceptance, k, batch_size) if replay_on_reject else 0.0
         forwards = CycleForwards(replay=replay)
     decision = decide(gate_input, policy, prior, hardware=hardware, forwards=forwards)
+    if reused is not None:  # the receipt says the figures are a stored calibration's
+        detail = f"{decision.detail}; " if decision.detail else ""
+        decision = msgspec.structs.replace(decision, detail=f"{detail}timings reused from {reused}")
     if table is not None and controller.speculating != decision.speculate:
         # one verdict: the controller starts where the receipt's gate says
         controller = controller_for(active=decision.speculate)
     receipt = with_hardware(receipt, decision, depth=controller.depth_decision)
     return Activation(receipt, decision, controller)
+
+
+def calibration_key(
+    model: nn.Module, head: Any, receipt: Receipt, *, batch_size: int, k: int, context: int
+) -> dict[str, Any]:
+    """What a stored calibration of this model must match (calibration_cache.key_of),
+    with the context bucketed as the cache measures it."""
+    from .calibration_cache import bucket, key_of
+
+    head_kind = (
+        f"{type(head).__name__}:{receipt.head_count}:{receipt.head_format}:{receipt.sidecar is not None}"
+    )
+    return key_of(
+        receipt.model,
+        dtype=model_dtype(model),
+        head=head_kind,
+        batch_size=batch_size,
+        k=k,
+        context=bucket(context, PROMPT_LEN, MAX_CONTEXT),
+    )
 
 
 def replays_on_reject(model: nn.Module) -> bool:

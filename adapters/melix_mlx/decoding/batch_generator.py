@@ -31,6 +31,12 @@ Rules of this module:
   fault and finish is applied to the Batch; `last_report` (melix_fsm.report.StepReport)
   holds what each row went through in the latest `next()`: the event-reporting contract
   the conformance kit checks.
+- Settings: `num_draft_tokens` (an int or "auto") and `device_policy` ("auto",
+  "force_on", "force_off") resolve as `melix-fsm serve` resolves its flags
+  (melix_mlx.decoding.startup.activate: the same batched receipt, in `self.receipt`, the
+  calibration at batch size 1 reused from the calibration cache, the live controller).
+  Left out: what `load_with_heads` was given, else depth 1 and no policy. A finishing
+  response's `stats` is a typed melix_fsm.stats.GenerationStats.
 - Device policy: an optional `LiveController` (melix_fsm.policy.controller) is fed every
   step's batch size, verify outcomes and seconds; its verdict becomes suspend / resume
   lifecycle events for every row at a cycle boundary. Without one, speculation stays on.
@@ -53,7 +59,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -67,7 +73,9 @@ from melix_fsm.batch import Batch, Operation, Row
 from melix_fsm.lifecycle import Signal, State
 from melix_fsm.policy.controller import LiveController
 from melix_fsm.reasons import RefusalReason, reason_of, refusal_text
+from melix_fsm.receipt import ServingContext
 from melix_fsm.report import RowReport, StepReport
+from melix_fsm.stats import GenerationStats
 
 from ..loading import head_receipt
 from ..runtime import rollback
@@ -78,6 +86,7 @@ from .batch_admission import BatchAdmission
 from .batch_prompts import MAX_PADDING
 from .batch_rows import InsertRequest, MTPResponse, RowState
 from .batch_surface import BatchSurface, RequestFailed
+from .startup import activate
 from .step_driver import StepPipeline, run_ahead_default
 
 __all__ = ["OBJECTIVES", "InsertRequest", "MTPBatchGenerator", "MTPResponse", "RequestFailed", "RowState"]
@@ -93,7 +102,8 @@ class MTPBatchGenerator(BatchAdmission, BatchSurface):
         model: nn.Module,
         head: nn.Module | None,
         *,
-        num_draft_tokens: int = 1,
+        num_draft_tokens: int | Literal["auto"] | None = None,
+        device_policy: Literal["auto", "force_on", "force_off"] | None = None,
         max_tokens: int = 128,
         stop_tokens: Sequence[Sequence[int]] | None = None,
         sampler: Any = None,
@@ -109,17 +119,26 @@ class MTPBatchGenerator(BatchAdmission, BatchSurface):
         run_ahead: bool | None = None,
         objective: str = "auto",
     ) -> None:
-        if num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
         if kv_bits is not None:  # typed, from the registry: mlx-lm cannot merge quantized caches
             from ..loading.errors import batched_quantized_kv
 
             raise batched_quantized_kv()
+        # every row shares batch caches: a batched receipt, calibrated at one row as the server does
+        run = activate(
+            model,
+            head,
+            num_draft_tokens,
+            device_policy,
+            controller=controller,
+            serving=ServingContext(batched=True),
+        )
+        controller, self.receipt = run.controller, run.receipt  # the receipt: None without one
+        refusal = refusal or run.refusal
         self.model = model
         self.head = head
-        self.num_draft_tokens = num_draft_tokens
+        self.num_draft_tokens = run.k
         self.max_tokens = max_tokens
         self.sampler = sampler or greedy_sampler
         self.logits_processors = logits_processors or []
@@ -378,12 +397,15 @@ class MTPBatchGenerator(BatchAdmission, BatchSurface):
             if response.uid in done and response.finish_reason is not None:
                 response.prompt_cache, response.all_tokens = by_uid[response.uid]
                 row = self.batch.row(response.uid)
-                response.stats = row.counters.summary() | {
-                    "state": row.state.value,
-                    "refusal": row.payload.refusal,
-                    "refusal_reason": reason_of(row.payload.refusal),
-                    "fault": row.payload.fault,
-                }
+                response.stats = GenerationStats.of(
+                    row.counters.summary()
+                    | {
+                        "state": row.state.value,
+                        "refusal": row.payload.refusal,
+                        "refusal_reason": reason_of(row.payload.refusal),
+                        "fault": row.payload.fault,
+                    }
+                )
         self._filter([i for i, uid in enumerate(self.batch.uids) if uid not in done])
 
     def _filter(self, keep: list[int]) -> None:

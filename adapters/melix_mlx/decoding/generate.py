@@ -6,7 +6,16 @@ Rules of this module:
   an EOS token ends the stream without being detokenized, the final response carries
   `finish_reason` "stop" or "length" and the detokenizer's finalized last segment, and
   `max_tokens` counts every yielded token. Each response also carries `stats`, the
-  decoder's statistics (lifecycle counters, per-position acceptance, forward counts).
+  decoder's statistics as a typed record (melix_fsm.stats.GenerationStats: lifecycle
+  counters, per-position acceptance, forward counts, the live policy's block), and
+  `receipt`, the run's receipt (melix_fsm.receipt.Receipt) when the head carries one.
+- `num_draft_tokens` (an int or "auto") and `device_policy` ("auto", "force_on",
+  "force_off") resolve as `melix-fsm generate` resolves its flags
+  (melix_mlx.decoding.startup.activate): the same receipt, the same calibration (reused
+  from the calibration cache), the same live controller, priced at the prompt plus half
+  of `max_tokens`. Left out, they are what `load_with_heads` was given, else depth 1 with
+  no policy (speculate every step, as before). `controller=` passes a hand-built
+  controller instead of a policy. A bad value raises `SettingError` before any work.
 - Stop sequences (`stop_sequences`, lists of token ids) end the stream like mlx-lm's
   `StopSequences` does in its batch generator: the token completing a sequence is the
   final response's token with finish_reason "stop". Like an EOS token, it is not
@@ -27,7 +36,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -36,8 +45,11 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from melix_fsm.lifecycle import SequenceMachine
+from melix_fsm.receipt import Receipt, ServingContext
+from melix_fsm.stats import GenerationStats
 
 from .decode import MTPDecoder
+from .startup import activate
 
 _UNSUPPORTED = ("input_embeddings",)
 
@@ -56,7 +68,8 @@ class MTPGenerationResponse:
     generation_tps: float
     peak_memory: float
     finish_reason: str | None = None
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: GenerationStats | None = None  # the decode's statistics so far (typed; `to_json()`)
+    receipt: Receipt | None = field(default=None, repr=False)  # the run's receipt, when resolved
 
 
 def _check_options(kw: dict[str, Any]) -> None:
@@ -166,7 +179,8 @@ def mtp_stream_generate(
     head: nn.Module | None,
     max_tokens: int = 256,
     *,
-    num_draft_tokens: int = 1,
+    num_draft_tokens: int | Literal["auto"] | None = None,
+    device_policy: Literal["auto", "force_on", "force_off"] | None = None,
     sampler: Callable[[mx.array], mx.array] | None = None,
     logits_processors: list[Any] | None = None,
     stop_sequences: Sequence[Sequence[int]] | None = None,
@@ -186,6 +200,7 @@ def mtp_stream_generate(
 ) -> Iterator[MTPGenerationResponse]:
     """`stream_generate` with an MTP head; see the module rules.
 
+    `num_draft_tokens` / `device_policy`: see the module rules (docs/api/stability.md).
     `machine` is the sequence's lifecycle machine when the caller already resolved it
     (e.g. from a receipt); `refusal` forces plain decode and records the reason;
     `controller` (melix_fsm.policy.controller.LiveController) suspends and resumes speculation;
@@ -200,6 +215,19 @@ def mtp_stream_generate(
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     prompt = encode_prompt(tokenizer, prompt)
+    # priced at the context the run will hold, as `generate` prices its prompt
+    run = activate(
+        model,
+        head,
+        num_draft_tokens,
+        device_policy,
+        controller=controller,
+        context=prompt.size + max(max_tokens, 0) // 2,
+        serving=ServingContext(
+            quantized_kv=kv_bits is not None, kv_group_size=kv_group_size if kv_bits else None
+        ),
+        machine=machine,
+    )
     detokenizer = tokenizer.detokenizer
     eos = set(tokenizer.eos_token_ids)
     matcher = StopSequences([list(s) for s in stop_sequences] if stop_sequences else None).matcher()
@@ -207,15 +235,15 @@ def mtp_stream_generate(
     decoder = make_decoder(
         model,
         head,
-        num_draft_tokens=num_draft_tokens,
+        num_draft_tokens=run.k,
         sampler=sampler,
         logits_processors=logits_processors,
         prompt_cache=prompt_cache,
         max_kv_size=max_kv_size,
         prefill_step_size=prefill_step_size,
-        machine=machine,
-        refusal=refusal,
-        controller=controller,
+        machine=run.machine,
+        refusal=refusal or run.refusal,
+        controller=run.controller,
         clock=clock,
         kv_bits=kv_bits,
         kv_group_size=kv_group_size,
@@ -236,7 +264,8 @@ def mtp_stream_generate(
             generation_tps=(n + 1) / (time.perf_counter() - tic),
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=finish,
-            stats=decoder.stats,
+            stats=GenerationStats.of(decoder.stats),
+            receipt=run.receipt,
         )
 
     with wired_limit(model, [stream]), mx.stream(stream):

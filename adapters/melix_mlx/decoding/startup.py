@@ -14,6 +14,15 @@ Rules of this module:
   with no method given decodes plainly; `Start.refusal` and `Start.load_error` say why
   and the row's lifecycle machine records the late refusal.
 - `auto` depth becomes a number in one place (melix_mlx.decoding.activation.draft_budget).
+- The library's keywords (`num_draft_tokens`, `device_policy` of `mtp_stream_generate`,
+  `MTPBatchGenerator`, `load_with_heads`) resolve through `activate`: the same checks
+  (melix_fsm.config; a bad value is a `SettingError` before any work), the same receipt
+  (resolved again from the checkpoint the head was loaded from, for the call's settings
+  and serving context) and the same device-policy evaluation as `start`. A call that
+  names no policy and an int depth keeps the library's earlier behaviour: no controller,
+  speculation at that depth on every step (`device_policy=None`; docs/api/stability.md).
+- Calibrations are reused from the calibration cache (melix_mlx.decoding.calibration_cache)
+  where the caller passes one: `generate` and the library do.
 - Callers print; this module does not.
 """
 
@@ -24,10 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from melix_fsm.config import Method, Source, SpeculativeConfig
-from melix_fsm.errors import MelixError
+from melix_fsm.config import AUTO_DEPTH, DevicePolicy, Method, Source, SpeculativeConfig, speculative_config
+from melix_fsm.errors import ConfigError, MelixError
 from melix_fsm.lifecycle import Event, SequenceMachine, Signal
-from melix_fsm.reasons import RefusalReason
+from melix_fsm.reasons import RefusalReason, refusal_text
 from melix_fsm.receipt import Mode, Receipt, ServingContext, receipt_json, resolve, serving_refusal
 
 from ..loading.errors import HeadLoadError, UnsupportedServing
@@ -69,7 +78,7 @@ class Start:
 
     @property
     def receipt_data(self) -> dict[str, Any]:
-        return json.loads(receipt_json(self.receipt))
+        return self.receipt.to_dict()  # the typed receipt's own plain data: the CLI and the server print it
 
     @property
     def explicit(self) -> bool:
@@ -88,6 +97,7 @@ def start(
     machine: SequenceMachine | None = None,
     preloaded: tuple[Any, Any, Any] | None = None,
     evaluate_policy: bool = True,
+    calibration_cache: Any = None,
 ) -> Start:
     """Resolve, load and evaluate the model at `path` (see the module rules).
 
@@ -98,6 +108,8 @@ def start(
     `receipt` / `preloaded` / `machine`: a start whose receipt was resolved already (a
     sidecar pack's contract loads the target to probe it: (model, tokenizer, head)).
     `eval_context(tokenizer)`: the context the device policy prices (None: its default).
+    `calibration_cache`: where a stored calibration of this model and machine is reused
+    from (melix_mlx.decoding.calibration_cache; None: measure every start).
     """
     machine = machine if machine is not None else SequenceMachine(0)
     if receipt is None:
@@ -121,7 +133,9 @@ def start(
     controller, speculate = None, False
     if head is not None and refusal is None and evaluate_policy:
         priced = eval_context(tokenizer) if eval_context is not None else None
-        activation = evaluate(model, head, receipt, config, batch_size=batch_size, context=priced)
+        activation = evaluate(
+            model, head, receipt, config, batch_size=batch_size, context=priced, cache=calibration_cache
+        )
         receipt, controller = activation.receipt, activation.controller
         speculate = activation.decision.speculate
     head = head if refusal is None else None
@@ -164,3 +178,120 @@ def _load(
     except Exception as exc:  # noqa: BLE001 - a checkpoint mlx-lm cannot load is a usage error
         raise StartFailed(f"cannot load {path}: {type(exc).__name__}: {exc}") from exc
     return model, tokenizer, head, load_error
+
+
+class SettingError(ConfigError, ValueError):
+    """A library keyword (`num_draft_tokens`, `device_policy`, `controller`) is unusable;
+    raised before any work. A `ValueError` too, as the decoders' earlier checks were."""
+
+
+DEVICE_POLICIES = tuple(p.value for p in DevicePolicy)
+
+
+@dataclass
+class Activated:
+    """What a library call resolved: the depth its rows are built for, the live
+    controller (None: speculate at `k` on every step, the caller's choice), the receipt,
+    the refusal that makes it decode plainly, and the lifecycle machine resolution drove."""
+
+    k: int
+    controller: Any
+    receipt: Receipt | None
+    refusal: str | None
+    machine: SequenceMachine | None = None
+
+
+def check_settings(num_draft_tokens: Any, device_policy: Any, controller: Any = None) -> None:
+    """Raise `SettingError` for a value the library keywords do not take (before any work)."""
+    try:
+        speculative_config(
+            num_draft_tokens=num_draft_tokens,
+            device_policy=device_policy,
+        )
+    except ConfigError as exc:
+        raise SettingError(exc.setting, exc.problem) from None
+    if controller is not None and device_policy is not None:
+        raise SettingError("device_policy", "pass either device_policy or controller=, not both")
+
+
+def activate(
+    model: Any,
+    head: Any,
+    num_draft_tokens: int | str | None,
+    device_policy: str | None,
+    *,
+    controller: Any = None,
+    batch_size: int = 1,
+    context: int | None = None,
+    serving: ServingContext | None = None,
+    machine: SequenceMachine | None = None,
+    calibration_cache: Any = "default",
+) -> Activated:
+    """Resolve the library keywords as `start` resolves the CLI's (see the module rules).
+
+    `num_draft_tokens` / `device_policy` None: what `load_with_heads` was given for this
+    head, else 1 and no policy. `context`: tokens the run's caches will hold (priced by
+    the policy, as `generate` prices its prompts). `serving`: the receipt's serving
+    context. `calibration_cache` "default": the user's calibration cache.
+    """
+    from ..loading import head_receipt
+
+    check_settings(num_draft_tokens, device_policy, controller)
+    loaded = head_receipt.settings_of(head)
+    if num_draft_tokens is None:
+        num_draft_tokens = loaded.get("num_draft_tokens", 1)
+    if device_policy is None and controller is None:
+        device_policy = loaded.get("device_policy")
+    if device_policy is None and num_draft_tokens == AUTO_DEPTH and controller is None:
+        device_policy = DevicePolicy.auto.value  # auto depth is the live controller's choice
+    receipt = head_receipt.receipt_of(head)
+    if controller is not None or device_policy is None:
+        # the caller's own controller (or none): the int it was given, else its depth
+        k = controller.depth.max_k if num_draft_tokens == AUTO_DEPTH else int(num_draft_tokens)  # type: ignore[arg-type]
+        return Activated(k, controller, receipt, None, machine)
+    # the method is the head's, as `generate` without --method: a refusal decodes plainly
+    config = speculative_config(num_draft_tokens=num_draft_tokens, device_policy=device_policy)
+    if head is None:  # nothing to speculate with: the decoders decode plainly and say so
+        return Activated(draft_budget(config, None), None, None, None, machine)
+    if receipt is None:
+        raise SettingError(
+            "device_policy",
+            f"{device_policy!r} resolves through the head's receipt: load the head with "
+            "melix_mlx.loading.load_with_heads, or pass controller= "
+            "(melix_fsm.policy.controller.LiveController)",
+        )
+    machine = machine if machine is not None else SequenceMachine(0)
+    receipt = _call_receipt(receipt, config, serving or ServingContext(), machine)
+    if receipt.mode is not Mode.accepted:
+        refusal = refusal_text(receipt.refusal_reason, receipt.message)
+        return Activated(draft_budget(config, None), None, receipt, refusal, machine)
+    cache = _default_cache() if calibration_cache == "default" else calibration_cache
+    activation = evaluate(model, head, receipt, config, batch_size=batch_size, context=context, cache=cache)
+    k = draft_budget(config, activation.controller)
+    return Activated(k, activation.controller, activation.receipt, None, machine)
+
+
+def _call_receipt(
+    loaded: Receipt, config: SpeculativeConfig, serving: ServingContext, machine: SequenceMachine
+) -> Receipt:
+    """The receipt `generate` would resolve for these settings: resolved again from the
+    checkpoint (headers only); a sidecar pack's admitted receipt keeps its contract and
+    takes the call's settings."""
+    import msgspec
+
+    if loaded.sidecar is not None:
+        why = None if loaded.mode is Mode.accepted else refusal_text(loaded.refusal_reason, loaded.message)
+        machine.send(Signal(event=Event.admit) if why is None else Signal(event=Event.refuse, reason=why))
+        return msgspec.structs.replace(
+            loaded,
+            num_draft_tokens=config.num_draft_tokens,
+            device_policy=config.device_policy,
+            source=config.sources,
+        )
+    return resolve(Path(loaded.model), config, context=serving, machine=machine)
+
+
+def _default_cache() -> Any:
+    from .calibration_cache import default_cache
+
+    return default_cache()

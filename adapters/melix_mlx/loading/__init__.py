@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # what type checkers and the API docs read; at run time, `__g
         SIDECAR_NAME,
         STACKED_PREFIX,
         HeadInfo,
+        Loaded,
         build_head,
         load_main,
         load_with_heads,
@@ -26,6 +27,7 @@ if TYPE_CHECKING:  # what type checkers and the API docs read; at run time, `__g
 
 __all__ = [
     "HeadInfo",
+    "Loaded",
     "MELIX_CONFIG_KEY",
     "MELIX_FORMAT_VERSION",
     "MELIX_KEY_PREFIX",

@@ -8,6 +8,9 @@ Rules:
   yields the receipt's own typed reason and message, in the CLI's form
   ``"<reason>: <message>"``, and the decoder decodes plainly. A head without a receipt
   (built by hand, a test's scripted head) is judged by the decoders' own checks only.
+- ``load_with_heads(..., num_draft_tokens=, device_policy=)`` records the settings it was
+  given on the head too (``attach_settings``): the decoders' defaults for that head
+  (melix_mlx.decoding.startup.activate).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 from melix_fsm.reasons import refusal_text
 
 _ATTR = "melix_receipt"
+_SETTINGS = "melix_settings"
 
 
 def of_receipt(receipt: Any) -> str | None:
@@ -39,3 +43,13 @@ def receipt_of(head: Any) -> Any:
 def refusal(head: Any) -> str | None:
     """Why ``head``'s receipt refuses speculation, or None (admitted, or no receipt)."""
     return of_receipt(receipt_of(head))
+
+
+def attach_settings(head: Any, settings: dict[str, Any]) -> None:
+    """Record the library settings ``head`` was loaded with (only those given)."""
+    object.__setattr__(head, _SETTINGS, dict(settings))
+
+
+def settings_of(head: Any) -> dict[str, Any]:
+    """The settings ``load_with_heads`` was given for ``head`` ({} when none)."""
+    return dict(getattr(head, _SETTINGS, None) or {}) if head is not None else {}

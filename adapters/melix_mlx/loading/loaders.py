@@ -11,6 +11,11 @@ Rules:
   whichever directory is loaded); this module assembles whole heads and the receipt.
 - Every failure is a typed ``HeadLoadError`` raised before any decode, and before the main
   model is read when the head tensors are absent altogether.
+- ``load_with_heads`` returns a ``Loaded`` named tuple ``(model, tokenizer, head, info)``
+  (unpacking as four names keeps working) with ``.receipt``: the checkpoint's typed
+  receipt (melix_fsm.receipt.Receipt), resolved for the ``num_draft_tokens`` /
+  ``device_policy`` it was given. Those settings are checked before anything is read
+  (``SettingError``) and become the decoders' defaults for this head.
 - Quantization: a head stored unquantized stays unquantized even when the main model is
   quantized (quantizing the head costs acceptance); ``quantize_head=True`` quantizes it
   after loading. A head stored quantized (``convert(..., quantize_head=True)``) is
@@ -20,7 +25,7 @@ Rules:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -59,12 +64,27 @@ __all__ = [
     "SIDECAR_NAME",
     "STACKED_PREFIX",
     "HeadInfo",
+    "Loaded",
     "build_head",
     "load_main",
     "load_with_heads",
     "quantize_head_module",
     "safetensors_keys",
 ]
+
+
+class Loaded(NamedTuple):
+    """What ``load_with_heads`` returns: unpack it as four names, or read ``.receipt``."""
+
+    model: nn.Module
+    tokenizer: Any
+    head: MTPHeadBase | StackedHead
+    info: HeadInfo
+
+    @property
+    def receipt(self) -> Any:
+        """The checkpoint's receipt (melix_fsm.receipt.Receipt), before the device policy."""
+        return self.info.receipt
 
 
 def build_head(
@@ -127,7 +147,9 @@ def load_with_heads(
     lazy: bool = False,
     tokenizer_config: dict[str, Any] | None = None,
     sidecar: str | Path | None = None,
-) -> tuple[nn.Module, Any, MTPHeadBase | StackedHead, HeadInfo]:
+    num_draft_tokens: int | Literal["auto"] | None = None,
+    device_policy: Literal["auto", "force_on", "force_off"] | None = None,
+) -> Loaded:
     """Load ``(model, tokenizer, head, info)`` from a local checkpoint directory, or an
     embedded checkpoint by name (``stdlib-tiny``, ``stdlib-hybrid``: melix_mlx.loading.checkpoints;
     an existing directory of that name wins).
@@ -144,10 +166,20 @@ def load_with_heads(
     pack beside a head-less target is found by convention (melix_fsm.sidecar.find_pack).
     A pack is admitted only by its validation contract (melix_mlx.loading.sidecar), else
     ``UnvalidatedSidecar`` names the failed check.
+
+    ``num_draft_tokens`` (an int or ``"auto"``) / ``device_policy`` (``"auto"``,
+    ``"force_on"``, ``"force_off"``): the receipt is resolved for them, and the decoders
+    use them for this head when their own are left out (None: not given).
     """
+    from melix_fsm.config import speculative_config
     from melix_fsm.receipt import resolve
     from melix_fsm.sidecar import find_pack
 
+    from ..decoding.startup import check_settings
+
+    check_settings(num_draft_tokens, device_policy)
+    given = {"num_draft_tokens": num_draft_tokens, "device_policy": device_policy}
+    settings = {name: value for name, value in given.items() if value is not None}
     path = resolve_model(path)
     config = load_config(path)
     family = detect_family(config)
@@ -155,8 +187,10 @@ def load_with_heads(
     if pack is None and not head_key_files(path, config, family):
         pack = find_pack(path)
     if pack is not None:
-        return load_with_sidecar(path, pack, tokenizer_config=tokenizer_config)
-    receipt = resolve(path)
+        loaded = Loaded(*load_with_sidecar(path, pack, tokenizer_config=tokenizer_config))
+        head_receipt.attach_settings(loaded.head, settings)
+        return loaded
+    receipt = resolve(path, speculative_config(**settings)) if settings else resolve(path)
     if advertised_head_count(config) <= 0 and not config.get(MELIX_CONFIG_KEY):
         raise UnsupportedModel(f"{path}: config advertises no MTP head ({family})")
     # fail fast on absent head tensors, before reading the main weights
@@ -180,10 +214,11 @@ def load_with_heads(
         if not lazy:
             mx.eval(head.parameters())
     head_receipt.attach(head, receipt)
+    head_receipt.attach_settings(head, settings)
     info = _head_info(
         head, facts, receipt, quantized=facts["stored_quantized"] or quantize_head, main_quant=main_quant
     )
-    return model, tokenizer, head, info
+    return Loaded(model, tokenizer, head, info)
 
 
 def _head_info(
