@@ -75,6 +75,7 @@ class Family(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     head_module: str | None = None
     validated: bool = False
     head_count_keys: tuple[str, ...] = ()
+    head_count_default: int = 0  # head layers when no head_count_keys key is present
     layer_count_keys: tuple[str, ...] = ()
     concat: Concat | None = None
     norm_repair: NormRepair | None = None

@@ -86,6 +86,8 @@ def _advertised_heads(ckpt: Checkpoint, family: Family) -> tuple[str | None, int
     key, heads, problem = int_setting(ckpt.config, family.head_count_keys, 0, MAX_HEADS)
     if problem:
         raise CheckRefusal(RefusalReason.invalid_config, f"config.json: {problem}")
+    if key is None and family.head_count_default:  # the family's configs do not write it
+        key, heads = f"{' / '.join(family.head_count_keys)} (absent: default)", family.head_count_default
     if not heads:
         shown = key or " / ".join(family.head_count_keys)
         raise CheckRefusal(

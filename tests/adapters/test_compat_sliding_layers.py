@@ -6,9 +6,10 @@ case is a llama whose `layer_types` marks a sliding layer: mlx-lm's `make_cache`
 that layer a RotatingKVCache (window 8 here) and the other a KVCache, and the draft-model
 method speculates on it. Single sequence: greedy output equals mlx-lm's own decode token
 for token with a prompt longer than the window (a scripted head wrong every fifth draft,
-so rollbacks run, and a real draft model). Batched: refused `unsupported_cache_sharing`
-(spec/rollback.toml) by the receipt before any weight is read, and by the batch generator
-before any forward; a quantized window is refused `unsupported_quantization`.
+so rollbacks run, and a real draft model). Batched: admitted by the receipt and the batch
+generator (melix_mlx.runtime.window_batch; identity under continuous batching:
+tests/adapters/test_batched_windows.py), and the CLI's batched generate equals mlx-lm's
+output per prompt; a quantized window is refused `unsupported_quantization`.
 """
 
 from __future__ import annotations
@@ -75,13 +76,13 @@ def test_greedy_equals_mlx_lm_on_sliding_layers(dirs, target, k: int) -> None:
     assert decoder.stats["accepted"] > 0 and decoder.stats["rollbacks"] > 0
 
 
-def test_receipt_plans_the_window_and_refuses_batches(dirs) -> None:
+def test_receipt_plans_the_window_single_and_batched(dirs) -> None:
     config = speculative_config(method="draft_model", draft_model=str(dirs["draft"]))
-    single = resolve(dirs["target"], config)
-    assert single.mode is Mode.accepted
-    assert [(p.kind, p.strategy) for p in single.caches] == [("kv", "trim"), ("rotating", "window_spare")]
-    batched = resolve(dirs["target"], config, context=ServingContext(batched=True))
-    assert batched.refusal_reason is RefusalReason.unsupported_cache_sharing and "rotating" in batched.message
+    for context in (ServingContext(), ServingContext(batched=True)):
+        receipt = resolve(dirs["target"], config, context=context)
+        assert receipt.mode is Mode.accepted, receipt.message
+        plans = [(p.kind, p.strategy) for p in receipt.caches]
+        assert plans == [("kv", "trim"), ("rotating", "window_spare")]
     quantized = ServingContext(quantized_kv=True, kv_group_size=16)  # 16 divides the head dim
     refused = resolve(dirs["target"], config, context=quantized)
     assert refused.refusal_reason is RefusalReason.unsupported_quantization and "rotating" in refused.message
@@ -105,29 +106,22 @@ def test_cli_single_equals_mlx_lm(dirs, target, capsys) -> None:
     assert result["text"] == generate(target, tokenizer, prompt, max_tokens=N)
 
 
-def test_batches_are_refused_before_weights_or_forwards(dirs, target, tmp_path, monkeypatch, capsys) -> None:
-    from melix_mlx.batch_generator import MTPBatchGenerator
-    from melix_mlx.loading import method_load
+def test_batches_run_from_the_cli_equal_to_mlx_lm(dirs, target, tmp_path, capsys) -> None:
+    from mlx_lm.utils import load_tokenizer
 
     from melix_fsm.cli import main
 
-    draft, _ = load_model(dirs["draft"])
-    gen = MTPBatchGenerator(target, DraftHead(draft), num_draft_tokens=2)  # no forward has run
-    assert gen.refusal.startswith(RefusalReason.unsupported_cache_sharing.value) and "rotating" in gen.refusal
-    gen.close()
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("weights were read before the refusal")
-
-    monkeypatch.setattr(method_load, "load_plain", forbidden)
-    monkeypatch.setattr(method_load, "load_for_method", forbidden)
+    lines = ["The morning light fell across the old stone bridge", "import os"]
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("Hello there\nimport os\n")
-    method = ["--method", "draft_model", "--draft-model", str(dirs["draft"])]
-    generate = ["generate", "--model", str(dirs["target"]), "--prompts-file", str(prompts), *method]
-    serve = ["serve", "--port", "0", "--model", str(dirs["target"]), *method]
-    for argv in (generate, serve):
-        assert main(argv) == 3, argv[0]
-        captured = capsys.readouterr()
-        assert json.loads(captured.out.splitlines()[-1])["error"] == "unsupported_cache_sharing"
-        assert "unsupported_cache_sharing" in captured.err
+    prompts.write_text("\n".join(lines) + "\n")
+    argv = ["generate", "--model", str(dirs["target"]), "--prompts-file", str(prompts), "--json"]
+    argv += ["--method", "draft_model", "--draft-model", str(dirs["draft"]), "--max-tokens", str(N)]
+    assert main([*argv, "--device-policy", "force_on", "--num-draft-tokens", "2"]) == 0
+    results = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    tokenizer = load_tokenizer(dirs["target"])
+    assert results[0]["prompt_tokens"] > WINDOW
+    for line, result in zip(lines, results, strict=True):
+        assert result["stats"]["refusal"] is None and result["stats"]["cycles"] > 0
+        prompt = tokenizer.encode(line)
+        assert result["prompt_tokens"] == len(prompt)
+        assert result["tokens"] == reference(target, prompt, N)

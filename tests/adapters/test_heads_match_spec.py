@@ -62,7 +62,10 @@ def test_head_module_agrees_with_the_spec(tiny_checkpoint, family: str) -> None:
     tcfg = text_config(config)
     raw = _raw(path)
     layers = next(int(tcfg[k.split(".")[-1]]) for k in spec.layer_count_keys if k.split(".")[-1] in tcfg)
-    heads = next(int(tcfg[k.split(".")[-1]]) for k in spec.head_count_keys if k.split(".")[-1] in tcfg)
+    heads = next(
+        (int(tcfg[k.split(".")[-1]]) for k in spec.head_count_keys if k.split(".")[-1] in tcfg),
+        spec.head_count_default,
+    )
     prefixes = [spec.weights.layer_prefix(j, layers) for j in range(heads)] + list(spec.weights.shared)
     by_spec = {k for k in raw if any(_matches(k, p) for p in prefixes)}
     by_module = {k for k in raw if module.is_head_key(k, tcfg)}

@@ -168,20 +168,17 @@ def test_depth_beyond_heads_is_admitted_for_chaining_families(fakes: Fakes) -> N
     assert r.mode is Mode.accepted and r.effective_depth == 3 and r.head_count == 1
 
 
-def test_sliding_layers_run_alone_and_unquantized(fakes: Fakes) -> None:
+def test_sliding_layers_run_single_and_batched_unquantized(fakes: Fakes) -> None:
     """A llama whose layer_types mark sliding layers: mlx-lm windows them (rotating cache)."""
     swa = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 512}
     target, draft = fakes.make("llama", update=swa), fakes.make("llama")
     config = speculative_config(method="draft_model", draft_model=str(draft))
-    r = resolve(target, config)
-    assert r.mode is Mode.accepted
-    assert [(p.kind, p.strategy) for p in r.caches] == [("kv", "trim"), ("rotating", "window_spare")]
-    for context, reason in (
-        (ServingContext(quantized_kv=True, chunked_prefill=True), RefusalReason.unsupported_quantization),
-        (ServingContext(batched=True), RefusalReason.unsupported_cache_sharing),
-    ):
+    for context in (ServingContext(), ServingContext(batched=True)):
         r = resolve(target, config, context=context)
-        assert r.refusal_reason is reason and "rotating" in r.message
+        assert r.mode is Mode.accepted
+        assert [(p.kind, p.strategy) for p in r.caches] == [("kv", "trim"), ("rotating", "window_spare")]
+    r = resolve(target, config, context=ServingContext(quantized_kv=True, chunked_prefill=True))
+    assert r.refusal_reason is RefusalReason.unsupported_quantization and "rotating" in r.message
 
 
 @pytest.mark.parametrize(

@@ -23,16 +23,16 @@ ROLLBACK = tomllib.loads((spec_dir() / "rollback.toml").read_text(encoding="utf-
 HEADS_DIR = Path(__file__).resolve().parents[2] / "adapters" / "melix_mlx" / "loading" / "heads"
 
 RUNNABLE = {"qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "mimo"}
+RUNNABLE |= {"ernie4_5_moe", "longcat_flash"}
 REFUSED = {
     "bailing_moe_v3",
-    "ernie4_5_moe",
     "exaone_moe",
     "nemotron_h",
     "deepseek_v32",
     "glm_moe_dsa",
     "mimo_v2_flash",
     "kimi_k3",
-    "longcat_flash",
+    "longcat_flash_ngram",
     "step3p5",
     "deepseek_v41",
     "bailing_hybrid",
@@ -72,7 +72,9 @@ def test_rollback_matrix_covers_every_cell() -> None:
     assert reg.rollback("arrays", False, False).strategy == "capture_select"
     assert reg.rollback("rotating", False, False).strategy == "window_spare"
     assert reg.rollback("rotating", True, False).refusal is RefusalReason.unsupported_quantization
-    assert reg.unmergeable["rotating"].refusal is RefusalReason.unsupported_cache_sharing
+    assert "rotating" not in reg.unmergeable  # batched windows: melix_mlx.runtime.window_batch
+    assert reg.rollback("rotating_keep", False, False).strategy == "window_spare"
+    assert reg.unmergeable["rotating_keep"].refusal is RefusalReason.unsupported_cache_sharing
 
 
 FAMILY_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [

@@ -54,10 +54,13 @@ def cycle_depth(k: int, remaining: int) -> int:
 
 
 def may_build_on(step_is_cycle: bool, run_ahead: bool, engine: Any) -> bool:
-    """May step n + 1 be built on step n's lazy outcome? Always after a plain step
-    (mlx-lm's own pipelining); after a cycle only with run-ahead on and the cycle's
-    rollback in the graph (`CycleEngine.may_run_ahead`)."""
-    return not step_is_cycle or (run_ahead and engine.may_run_ahead())
+    """May step n + 1 be built on step n's lazy outcome? After a plain step (mlx-lm's own
+    pipelining) unless a cache waits for a quiet moment to be compacted (a window that
+    plain steps grew: melix_mlx.runtime.window_batch); after a cycle only with run-ahead
+    on and the cycle's rollback in the graph (`CycleEngine.may_run_ahead`)."""
+    if not step_is_cycle:
+        return not engine.compaction_due()
+    return run_ahead and engine.may_run_ahead()
 
 
 def may_launch_cycle_ahead(run_ahead: bool, controller: Any) -> bool:

@@ -48,8 +48,9 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
 
 def advertised_head_count(config: dict[str, Any]) -> int:
     """How many MTP layers the config says the checkpoint ships (first registry key present)."""
-    for key in family_entry(config).head_count_keys:
+    entry = family_entry(config)
+    for key in entry.head_count_keys:
         found, value = config_value(config, key)
         if found and value is not None:
             return int(value or 0)
-    return 0
+    return entry.head_count_default

@@ -270,7 +270,7 @@ class CycleEngine:
         """Whether a step may be launched before the last launched cycle is settled."""
         caches = (self.cache, self.head_cache)
         in_graph = all(rollback.in_graph(c) for c in caches)
-        return in_graph and not any(rollback.compaction_due(c) for c in caches)
+        return in_graph and not self.compaction_due()
 
     def _advance(self, flight: Flight) -> None:
         """The engine's state after the cycle, lazily: what the next step builds on."""
@@ -510,4 +510,11 @@ class CycleEngine:
         tokens = step.tokens.tolist()
         self._in_flight.pop(0)
         self.pipeline.send(PipelineEvent.settle)
+        if not self._in_flight:  # plain steps grow window caches too: reclaim while nothing runs
+            rollback.compact_if_due(self.cache)
+            rollback.compact_if_due(self.head_cache)
         return tokens
+
+    def compaction_due(self) -> bool:
+        """Some cache waits for a moment with no step in flight to be compacted."""
+        return any(rollback.compaction_due(c) for c in (self.cache, self.head_cache))

@@ -17,9 +17,11 @@ Rules of this module:
 - Which strategy a cache kind gets is spec/rollback.toml's (`strategy_of`), not a class
   check re-typed here; `unsupported_kinds` refuses what the spec refuses.
 - A RotatingKVCache is exact only until it wraps: single sequences move it to
-  melix_mlx.runtime.window_kv after the prefill (strategy `window_spare`); a batch refuses it
-  (`refusal(..., batched=True)`). Unknown kinds are reported by `unsupported_kinds`
-  before decoding starts; nothing rolls back approximately.
+  melix_mlx.runtime.window_kv after the prefill, batches to melix_mlx.runtime.window_batch
+  (strategy `window_spare`, a ragged leaf like any batch KV layer); one that keeps its
+  first tokens (`rotating_keep`, mlx-lm's max_kv_size) has no batch form and a batch
+  refuses it (`refusal(..., batched=True)`). Unknown kinds are reported by
+  `unsupported_kinds` before decoding starts; nothing rolls back approximately.
 - Where every leaf can (ragged batch KV, captured recurrent state), rollback runs inside
   the cycle's lazy graph from the device's accept counts (`in_graph`): the next cycle
   can then be built before this one's outcome reaches the host. Elsewhere (mlx-lm's
@@ -54,7 +56,7 @@ def kind_of(c: Any) -> str:
     if isinstance(c, KVCache):
         return "kv"
     if isinstance(c, RotatingKVCache):
-        return "rotating"
+        return "rotating_keep" if c.keep else "rotating"
     if isinstance(c, ArraysCache):
         return "arrays"
     return type(c).__name__
@@ -81,7 +83,8 @@ def strategy_of(c: Any) -> str | None:
 _RUNS = {
     "trim": lambda c: isinstance(c, _TRIMMABLE_KV),
     "capture_select": lambda c: isinstance(c, ArraysCache),
-    "window_spare": lambda c: isinstance(c, RotatingKVCache),  # melix_mlx.runtime.window_kv after prefill
+    # melix_mlx.runtime.window_kv after prefill (batched: melix_mlx.runtime.window_batch)
+    "window_spare": lambda c: isinstance(c, RotatingKVCache),
 }
 
 

@@ -47,7 +47,17 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import deepseek_v3, glm4_moe, glm4_moe_lite, mimo, qwen3_5, qwen3_5_moe, qwen3_next
+from . import (
+    deepseek_v3,
+    ernie4_5_moe,
+    glm4_moe,
+    glm4_moe_lite,
+    longcat_flash,
+    mimo,
+    qwen3_5,
+    qwen3_5_moe,
+    qwen3_next,
+)
 from ._base import MTPHeadBase
 
 FAMILY_MODULES: dict[str, ModuleType] = {
@@ -58,6 +68,8 @@ FAMILY_MODULES: dict[str, ModuleType] = {
     "glm4_moe": glm4_moe,
     "glm4_moe_lite": glm4_moe_lite,
     "mimo": mimo,
+    "ernie4_5_moe": ernie4_5_moe,
+    "longcat_flash": longcat_flash,
 }
 
 HEAD_CLASSES: dict[str, type[MTPHeadBase]] = {name: module.MTPHead for name, module in FAMILY_MODULES.items()}

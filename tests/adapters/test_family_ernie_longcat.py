@@ -1,0 +1,274 @@
+"""ERNIE-4.5 MoE and LongCat-Flash: their MTP heads, on tiny checkpoints in the HF layout.
+
+For each family:
+- mlx-lm's own loader reads the main model, the project loader yields the same logits,
+  the receipt admits the family with its own head module (LongCat: with no head-count
+  key in the config, one head layer by default);
+- the head's forward equals a reference forward written here from the published
+  architecture with plain mlx ops on the raw HF tensors (float32, tolerance 1e-3 on
+  logits of scale ~10: a wrong norm convention, a swapped concatenation, a missing final
+  norm or the wrong hidden state moves them by O(1));
+- greedy MTP decoding equals mlx-lm's greedy output token for token, single sequence at
+  k = 1..3 (one prompt under a repetition penalty) and batched (rows at k = 1, 2, 3, a
+  row removed mid-run, a late joiner);
+- after rejecting cycles the main cache equals a clean run fed only the confirmed tokens
+  (LongCat: both latent caches of every layer, CacheList(KVCache, KVCache)), no replay;
+- a 4-bit converted checkpoint keeps identity.
+LongCat-Flash's n-gram variant is refused with its typed reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from decode_refs import mtp, reference
+from melix_mlx.batch_generator import MTPBatchGenerator
+from melix_mlx.loading import load_with_heads, safetensors_keys
+from melix_mlx.loading.convert import convert
+from melix_mlx.loading.heads import HEAD_CLASSES
+from melix_mlx.runtime.hidden import forward_with_hidden, main_parts
+from melix_mlx.tools.tiny_ernie_longcat import FAMILIES
+from melix_mlx.tools.tiny_tokenizer import VOCAB_SIZE
+from mlx_lm.models.cache import CacheList, make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors
+from scripted_head import ScriptedHead
+from test_decode_rollback import CYCLES, PROMPT, clean_cache, max_diff, run_cycles
+
+from melix_fsm.receipt import resolve
+
+N = 14
+PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [100, 3, 8], [72, 101, 108, 108, 111, 44, 32, 119, 111, 114]]
+LATE = [60, 61, 62, 63, 64]
+
+HF_HEAD_KEYS = {
+    "ernie4_5_moe": [
+        "model.mtp_emb_norm.0.weight",
+        "model.mtp_hidden_norm.0.weight",
+        "model.mtp_linear_proj.0.weight",
+        "model.mtp_block.0.self_attn.q_proj.weight",
+        "model.mtp_block.0.mlp.gate_proj.weight",
+        "model.layers.1.mlp.experts.0.gate_proj.weight",
+        "model.layers.1.mlp.moe_statics.e_score_correction_bias",
+    ],
+    "longcat_flash": [
+        "model.mtp.embed_tokens.weight",
+        "model.mtp.layers.0.enorm.m.weight",
+        "model.mtp.layers.0.hnorm.m.weight",
+        "model.mtp.layers.0.eh_proj.weight",
+        "model.mtp.layers.0.self_attn.kv_b_proj.weight",
+        "model.mtp.layers.0.transformer_layer.mlp.down_proj.weight",
+        "model.mtp.norm.weight",
+        "model.layers.0.self_attn.1.kv_b_proj.weight",
+        "model.layers.0.mlp.router.classifier.weight",
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoint) -> dict[str, tuple]:
+    return {f: (tiny_checkpoint(f), *load_with_heads(tiny_checkpoint(f))) for f in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_layout_loads_with_mlx_lm_and_is_admitted(loaded, family):
+    path, model, _, head, info = loaded[family]
+    keys = {k for f in Path(path).glob("*.safetensors") for k in safetensors_keys(f)}
+    assert set(HF_HEAD_KEYS[family]) <= keys
+    upstream, _ = mlx_lm.load(str(path))
+    x = mx.array([PROMPTS[2]])
+    logits, _ = forward_with_hidden(model, x, make_prompt_cache(model))
+    assert mx.array_equal(upstream(x), logits)
+    assert type(head) is HEAD_CLASSES[family] and info.family == family and info.head_layers == 1
+    receipt = resolve(path)
+    assert receipt.mode == "accepted", receipt.message
+    assert (receipt.family, receipt.head_module) == (family, family)
+    if family == "longcat_flash":
+        assert "num_nextn_predict_layers" not in json.loads((path / "config.json").read_text())
+        assert all(isinstance(c, CacheList) for c in make_prompt_cache(model))
+
+
+def test_longcat_ngram_is_refused_with_its_reason(tmp_path):
+    from melix_mlx.tools.tiny import make_tiny
+
+    path = make_tiny("longcat_flash", tmp_path / "ngram", model_type="longcat_flash_ngram")
+    receipt = resolve(path)
+    assert receipt.mode != "accepted"
+    assert receipt.family == "longcat_flash_ngram" and "n-gram embedding" in receipt.message
+
+
+# -- the reference forwards ------------------------------------------------------------------
+def _rms(x: mx.array, w: mx.array, eps: float) -> mx.array:
+    return x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rope(x: mx.array, base: float) -> mx.array:
+    """Interleaved RoPE (pairs 2i, 2i + 1) from position 0 over x [B, H, L, d]."""
+    d, length = x.shape[-1], x.shape[-2]
+    inv = base ** (-mx.arange(0, d, 2, dtype=mx.float32) / d)
+    ang = mx.arange(length, dtype=mx.float32)[:, None] * inv[None]
+    cos, sin = mx.cos(ang), mx.sin(ang)
+    a, b = x[..., 0::2], x[..., 1::2]
+    return mx.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(x.shape)
+
+
+def _attend(scores: mx.array, v: mx.array) -> mx.array:
+    length = scores.shape[-1]
+    causal = mx.tril(mx.ones((length, length), dtype=mx.bool_))
+    p = mx.softmax(mx.where(causal, scores, -1e30), axis=-1)
+    return p @ v  # [B, H, L, dv]
+
+
+def _mlp(w: dict, p: str, x: mx.array) -> mx.array:
+    g = x @ w[f"{p}.gate_proj.weight"].T
+    return (g * mx.sigmoid(g) * (x @ w[f"{p}.up_proj.weight"].T)) @ w[f"{p}.down_proj.weight"].T
+
+
+def _ernie_reference(w: dict, c: dict, hidden: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
+    eps, H, KV, hd = c["rms_norm_eps"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    e = _rms(w["model.embed_tokens.weight"][tokens], w["model.mtp_emb_norm.0.weight"], eps)
+    h = _rms(hidden, w["model.mtp_hidden_norm.0.weight"], eps)
+    x = mx.concatenate([e, h], axis=-1) @ w["model.mtp_linear_proj.0.weight"].T
+    p = "model.mtp_block.0"
+    a = _rms(x, w[f"{p}.input_layernorm.weight"], eps)
+    B, L, _ = a.shape
+
+    def heads(name: str, n: int) -> mx.array:
+        return (a @ w[f"{p}.self_attn.{name}.weight"].T).reshape(B, L, n, hd).transpose(0, 2, 1, 3)
+
+    q, k, v = (
+        _rope(heads("q_proj", H), c["rope_theta"]),
+        _rope(heads("k_proj", KV), c["rope_theta"]),
+        heads("v_proj", KV),
+    )
+    k, v = mx.repeat(k, H // KV, axis=1), mx.repeat(v, H // KV, axis=1)
+    o = _attend((q @ k.swapaxes(-1, -2)) / math.sqrt(hd), v).transpose(0, 2, 1, 3).reshape(B, L, -1)
+    x = x + o @ w[f"{p}.self_attn.o_proj.weight"].T
+    x = x + _mlp(w, f"{p}.mlp", _rms(x, w[f"{p}.post_attention_layernorm.weight"], eps))
+    # the shared final norm, then the shared lm_head; the block output is what chains
+    return _rms(x, w["model.norm.weight"], eps) @ w["lm_head.weight"].T, x
+
+
+def _longcat_reference(w: dict, c: dict, hidden: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
+    eps, H, D = c["rms_norm_eps"], c["num_attention_heads"], c["hidden_size"]
+    nope, rope, vd = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    qr, kvr = c["q_lora_rank"], c["kv_lora_rank"]
+    p = "model.mtp.layers.0"
+    e = _rms(w["model.mtp.embed_tokens.weight"][tokens], w[f"{p}.enorm.m.weight"], eps)
+    h = _rms(hidden, w[f"{p}.hnorm.m.weight"], eps)
+    x = mx.concatenate([e, h], axis=-1) @ w[f"{p}.eh_proj.weight"].T
+    a = _rms(x, w[f"{p}.input_layernorm.weight"], eps)
+    B, L, _ = a.shape
+    s = f"{p}.self_attn"
+    q = (
+        _rms(a @ w[f"{s}.q_a_proj.weight"].T, w[f"{s}.q_a_layernorm.weight"], 1e-6)
+        @ w[f"{s}.q_b_proj.weight"].T
+    )
+    q = q.reshape(B, L, H, nope + rope).transpose(0, 2, 1, 3) * math.sqrt(D / qr)
+    kv = a @ w[f"{s}.kv_a_proj_with_mqa.weight"].T
+    latent = _rms(kv[..., :kvr], w[f"{s}.kv_a_layernorm.weight"], 1e-6) * math.sqrt(D / kvr)
+    k_pe = _rope(kv[..., None, kvr:].transpose(0, 2, 1, 3), c["rope_theta"])  # [B, 1, L, rope]
+    up = w[f"{s}.kv_b_proj.weight"].reshape(H, nope + vd, kvr)
+    k_nope = latent[:, None] @ up[:, :nope].swapaxes(-1, -2)[None]  # [B, H, L, nope]
+    v = latent[:, None] @ up[:, nope:].swapaxes(-1, -2)[None]
+    q_pe = _rope(q[..., nope:], c["rope_theta"])
+    scores = q[..., :nope] @ k_nope.swapaxes(-1, -2) + q_pe @ k_pe.swapaxes(-1, -2)
+    o = _attend(scores / math.sqrt(nope + rope), v).transpose(0, 2, 1, 3).reshape(B, L, -1)
+    x = x + o @ w[f"{s}.o_proj.weight"].T
+    x = x + _mlp(w, f"{p}.transformer_layer.mlp", _rms(x, w[f"{p}.post_attention_layernorm.weight"], eps))
+    out = _rms(x, w["model.mtp.norm.weight"], eps)  # the head's own final norm: what chains
+    return out @ w["lm_head.weight"].T, out
+
+
+REFERENCES = {"ernie4_5_moe": _ernie_reference, "longcat_flash": _longcat_reference}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_head_forward_matches_the_published_architecture(loaded, family):
+    path, model, _, head, _ = loaded[family]
+    raw: dict[str, mx.array] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        raw.update(mx.load(str(f)))
+    config = json.loads((path / "config.json").read_text())
+    x = mx.array([PROMPTS[2]])
+    _, hidden = forward_with_hidden(model, x, make_prompt_cache(model))
+    got_logits, got_hidden = head(hidden[:, :-1], x[:, 1:], head.make_cache())
+    want_logits, want_hidden = REFERENCES[family](raw, config, hidden[:, :-1], x[:, 1:])
+    assert mx.abs(want_logits).max().item() > 1.0  # a real signal to compare
+    assert mx.abs(got_logits - want_logits).max().item() < 1e-3
+    assert mx.abs(got_hidden - want_hidden).max().item() < 1e-3
+
+
+# -- identity and rollback -------------------------------------------------------------------
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_identity_single(loaded, family, k):
+    _, model, _, head, _ = loaded[family]
+    for i, prompt in enumerate(PROMPTS):
+        procs = make_logits_processors(repetition_penalty=1.3) if i == 1 else None
+        want = reference(model, prompt, N, logits_processors=procs)
+        got, decoder = mtp(model, head, prompt, N, k, logits_processors=procs)
+        assert got == want, (family, k, i)
+        assert decoder.stats["faults"] == 0 and decoder.stats["refusal"] is None
+        assert decoder.stats["cycles"] > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_identity_batched_with_removal_and_late_joiner(loaded, family):
+    _, model, _, head, _ = loaded[family]
+    refs = [reference(model, p, N) for p in PROMPTS]
+    gen = MTPBatchGenerator(model, head, max_tokens=N)
+    assert gen.refusal is None
+    uids = gen.insert(PROMPTS, num_draft_tokens=[1, 2, 3])
+    out: dict[int, list[int]] = {u: [] for u in uids}
+    late = None
+    for step in range(200):
+        if not (gen.batch.uids or gen._queue):
+            break
+        for r in gen.next()[1]:
+            out[r.uid].append(r.token)
+        if step == 2:
+            gen.remove([uids[1]])
+        if step == 3:
+            (late,) = gen.insert([LATE], num_draft_tokens=[2])
+            out[late] = []
+    assert out[uids[0]] == refs[0] and out[uids[2]] == refs[2]
+    assert 0 < len(out[uids[1]]) < N and out[uids[1]] == refs[1][: len(out[uids[1]])]
+    assert late is not None and out[late] == reference(model, LATE, N)
+    assert gen.speculative_stats()["cycles"] > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rollback_cache_equals_clean_run(loaded, family, monkeypatch):
+    _, model, _, head, _ = loaded[family]
+    script = PROMPT + reference(model, PROMPT, 40)
+    scripted = ScriptedHead([script], VOCAB_SIZE, main_parts(model).args.hidden_size, wrong_every=3)
+    for name, drafter, k in (("partial", scripted, 3), ("random", head, 2)):
+        decoder, kept, _ = run_cycles(model, drafter, k, monkeypatch)
+        assert decoder.stats["rollbacks"] == CYCLES, name
+        tokenwise = clean_cache(model, [[t] for chunk in kept for t in chunk])
+        assert max_diff(decoder.cache, tokenwise) == 0.0, name
+        assert decoder.stats["replay_forwards"] == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_4bit_identity(loaded, family, tmp_path):
+    path = loaded[family][0]
+    out = convert(path, tmp_path / f"{family}-q4", quantize=True, q_group_size=32)
+    model, _, head, info = load_with_heads(out)
+    assert info.main_quantized and info.family == family
+    hidden = main_parts(model).args.hidden_size
+    rollbacks = 0
+    for prompt in PROMPTS[::2]:
+        want = reference(model, prompt, N)
+        scripted = ScriptedHead([prompt + reference(model, prompt, N + 4)], VOCAB_SIZE, hidden, wrong_every=3)
+        for k in (1, 2):
+            assert mtp(model, head, prompt, N, k)[0] == want
+            got, decoder = mtp(model, scripted, prompt, N, k)
+            assert got == want and decoder.stats["accepted"] > 0
+            rollbacks += decoder.stats["rollbacks"]
+    assert rollbacks > 0  # the scripted head's wrong drafts were rolled back
