@@ -301,11 +301,13 @@ def replay_schedule(
     probs_for: Callable[[float], Probabilities] | None = None,
     surface: str = "auto",
     make_stops: Any = None,
+    judge: Any = None,
 ) -> ConformanceError | None:
     """Re-run one bug's schedule on fresh generators at its own temperature: its error, or None.
 
     `probs_for(T)` gives the target's probabilities at T (a `sample` operation carries
-    its T); `probs_of` is the older form, one fixed temperature.
+    its T); `probs_of` is the older form, one fixed temperature. `judge`: the divergence
+    contract for greedy schedules (None: exact).
     """
     if schedule and schedule[0].get("op") == "sample":
         op = schedule[0]
@@ -335,6 +337,7 @@ def replay_schedule(
         sampled_factory=(lambda: make_generator(float(sampled))) if sampled is not None else None,
         surface=surface,
         make_stops=make_stops,
+        judge=judge,
     )
 
 

@@ -22,6 +22,12 @@ Rules of this module:
   import the installed mlx-lm cannot serve; a factory that raises): one line on stderr,
   never a traceback, never 1. mlx is imported inside `run` only; nothing here needs a
   particular mlx-lm version (the `melix` target alone needs 0.32).
+- Divergences follow the contract (melix_fsm.testing.divergence): with the default
+  reference, a wrong token is judged by the reference's logits at its first divergent
+  position in the dtype the model computes in (`--near-tie-ulps U`, default 8):
+  near-ties are counted and reported (rate per 1,000 tokens, histogram), anything else
+  is a bug. `--exact` makes every differing token a bug (for a regime known to be
+  bit-exact); a `--reference` decoder has no logits, so it is compared exactly.
 - Progress goes to stderr (melix_mlx.tools.qa.progress); `--quiet` silences it.
 """
 
@@ -69,9 +75,34 @@ def register(subparsers: Any) -> None:
         metavar="package.module:builder",
         help="builds the target's stop object from a list of token tuples",
     )
+    add_contract_options(parser)
     parser.add_argument("--json", action="store_true", help="one JSON report on stdout")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.set_defaults(run=run)
+
+
+def add_contract_options(parser: argparse.ArgumentParser) -> None:
+    """--exact / --near-tie-ulps (shared with `melix-fsm verify`)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--exact", action="store_true", help="every differing token is a bug (no rounding contract)"
+    )
+    group.add_argument(
+        "--near-tie-ulps",
+        type=float,
+        default=None,
+        metavar="U",
+        help="the contract's near-tie bound, in ulps of the largest logit (default 8)",
+    )
+
+
+def make_judge(args: argparse.Namespace, model: Any) -> Any:
+    """The divergence judge the flags ask for; None compares exactly."""
+    if args.exact or getattr(args, "reference", None) is not None:
+        return None
+    from melix_mlx.tools.qa.margins import contract_judge
+
+    return contract_judge(model, args.near_tie_ulps)
 
 
 def _usage(message: str) -> int:
@@ -113,6 +144,8 @@ def _run(args: argparse.Namespace) -> int:
         return _usage(f"--skip: {exc}")
     if args.temperature < 0:
         return _usage("--temperature must be >= 0")
+    if args.near_tie_ulps is not None and not args.near_tie_ulps > 0:
+        return _usage("--near-tie-ulps must be > 0")
     for name in ("max_examples", "draws"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -155,7 +188,7 @@ def _run(args: argparse.Namespace) -> int:
         sampling_note = f"{target.name}'s factory takes no temperature keyword"
     probs_for = _probabilities(model)
     if replay_doc is not None:
-        return _replay(args, replay_doc, make, reference, probs_for, make_stops, sampling_note)
+        return _replay(args, replay_doc, make, reference, probs_for, make_stops, sampling_note, model)
 
     return _hunt(args, profile, skip, target, model, make, reference, make_stops, probs_for, sampling_note)
 
@@ -211,6 +244,7 @@ def _hunt(
         "insert_options": dict(target.insert_options),
         "probe_options": dict(target.probe_options),
         "make_stops": make_stops,
+        "judge": make_judge(args, model),
     }
     progress = Progress(enabled=not args.quiet)
     try:
@@ -265,10 +299,13 @@ def _replay(
     probs_for: Any,
     make_stops: Any,
     sampling_note: str,
+    model: Any = None,
 ) -> int:
     """Re-run each schedule at its own temperature (a sample operation carries it)."""
     from melix_fsm.testing.qa import replay_schedule, schedules_in
     from melix_fsm.testing.signature import signature_of
+
+    judge = make_judge(args, model)
 
     try:
         schedules = schedules_in(document)
@@ -280,7 +317,13 @@ def _replay(
             return _usage(f"--replay {args.replay}: a sampled schedule, but {sampling_note}")
         try:
             err = replay_schedule(
-                schedule, make, reference, probs_for=probs_for, surface=args.surface, make_stops=make_stops
+                schedule,
+                make,
+                reference,
+                probs_for=probs_for,
+                surface=args.surface,
+                make_stops=make_stops,
+                judge=judge,
             )
         except (ValueError, KeyError, TypeError) as exc:
             return _usage(f"--replay {args.replay}: {type(exc).__name__}: {_one_line(exc)}")
