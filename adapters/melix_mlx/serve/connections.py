@@ -20,13 +20,13 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .errors import error_body
+from .errors import body_for, error_body
 
-OVER_CAPACITY = json.dumps(error_body(503, "too many connections; retry later", code="over_capacity"))
+OVER_CAPACITY = "too many connections; retry later"
 
 
-async def over_capacity(send: Any) -> None:
-    body = OVER_CAPACITY.encode()
+async def over_capacity(send: Any, path: str = "") -> None:
+    body = json.dumps(body_for(path, 503, OVER_CAPACITY, code="over_capacity")).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                (b"retry-after", b"1"), (b"connection", b"close")]
     await send({"type": "http.response.start", "status": 503, "headers": headers})
@@ -45,7 +45,7 @@ class HeadTimeoutProtocol(H11Protocol):
     async def _capped(self, scope: Any, receive: Any, send: Any) -> None:
         # uvicorn counted before adding this request's task; here it is already counted
         if self.cap is not None and (len(self.connections) >= self.cap or len(self.tasks) > self.cap):
-            await over_capacity(send)
+            await over_capacity(send, scope.get("path", ""))
             return
         await self._inner_app(scope, receive, send)
 

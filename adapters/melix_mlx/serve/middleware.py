@@ -1,8 +1,10 @@
 """The checks every request passes before a route sees it: auth and content type.
 
 Rules of this module (a pure ASGI middleware, so streamed responses pass untouched):
-- With an API key, every route but /health needs `Authorization: Bearer <key>`
-  (compared in constant time); otherwise 401 with `WWW-Authenticate: Bearer`.
+- With an API key, every route but /health needs `Authorization: Bearer <key>` or
+  (Anthropic's header) `x-api-key: <key>`, compared in constant time; otherwise 401
+  with `WWW-Authenticate: Bearer`. Refusals take the error shape of the path's API
+  (melix_mlx.serve.errors.body_for).
 - A POST body must be JSON: `Content-Type: application/json` (any parameters), else 415.
   A text/plain body is exactly what a web page can send without a CORS preflight.
 - CORS is not here: Starlette's CORSMiddleware wraps this one when origins are allowed
@@ -15,7 +17,7 @@ import hmac
 import json
 from typing import Any
 
-from .errors import error_body
+from .errors import body_for
 
 OPEN_PATHS = frozenset({"/health"})
 
@@ -35,17 +37,18 @@ class Guard:
             await self.app(scope, receive, send)
             return
         status, message, extra = refusal
-        body = json.dumps(error_body(status, message)).encode()
+        body = json.dumps(body_for(scope.get("path", ""), status, message)).encode()
         head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]
         await send({"type": "http.response.start", "status": status, "headers": head})
         await send({"type": "http.response.body", "body": body})
 
     def _refusal(self, scope: dict, headers: dict[bytes, bytes]) -> tuple[int, str, list] | None:
         if self.api_key is not None and scope.get("path") not in OPEN_PATHS:
-            given = headers.get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                return 401, "a valid API key is required (Authorization: Bearer)", [
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+            keyed = hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.api_key)
+            if not (bearer or keyed):
+                return 401, "a valid API key is required (Authorization: Bearer, or x-api-key)", [
                     (b"www-authenticate", b"Bearer")
                 ]
         if scope.get("method") == "POST":

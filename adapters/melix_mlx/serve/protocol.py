@@ -112,15 +112,15 @@ def logit_bias(value: Any, vocab: int, limit: int) -> dict[int, float] | None:
     return out
 
 
-def stop_words(value: Any, limits: ServeLimits) -> list[str]:
+def stop_words(value: Any, limits: ServeLimits, param: str = "stop") -> list[str]:
     words = [value] if isinstance(value, str) else (value or [])
     if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
-        raise ApiError(400, "stop must be a string or a list of strings", param="stop")
+        raise ApiError(400, f"{param} must be a string or a list of strings", param=param)
     if len(words) > limits.max_stop:
-        raise ApiError(400, f"stop may hold at most {limits.max_stop} sequences", param="stop")
+        raise ApiError(400, f"{param} may hold at most {limits.max_stop} sequences", param=param)
     if any(len(w) > limits.max_stop_chars for w in words):
         limit = limits.max_stop_chars
-        raise ApiError(400, f"a stop sequence may be at most {limit} characters", param="stop")
+        raise ApiError(400, f"a stop sequence may be at most {limit} characters", param=param)
     return [w for w in words if w]
 
 
@@ -162,29 +162,20 @@ def _content(content: Any) -> None:
                            param="messages")
 
 
-def parse(
-    body: Any, chat: bool, *, limits: ServeLimits, vocab: int, names: list[str], defaults: Defaults
-) -> Parsed:
-    """The checked request (see the module rules); raises ApiError."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    model = body.get("model", DEFAULT_MODEL)
+def check_model(model: Any, names: list[str]) -> str:
+    """The name to echo back for a request's `model` (the served name); 400/404 otherwise."""
     if not isinstance(model, str):
         raise ApiError(400, "model must be a string", param="model")
     if model != DEFAULT_MODEL and model not in names:
         raise ApiError(404, f"model {model[:100]!r} is not served here (serving {names[0]})",
                        param="model", code="model_not_found")
-    for name in ("adapters", "draft_model"):
-        if body.get(name) not in (None, DEFAULT_MODEL):
-            raise ApiError(400, f"{name} cannot be chosen by a request", param=name)
-    n = _typed(body, "n", int, 1)
-    if n != 1:
-        raise ApiError(400, "only n = 1 is supported", param="n")
-    stream = _typed(body, "stream", bool, False)
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise ApiError(400, "stream_options must be an object", param="stream_options")
-    include_usage = bool(options and options.get("include_usage"))
+    return names[0] if model == DEFAULT_MODEL else model
+
+
+def generation_arguments(
+    body: dict, *, limits: ServeLimits, vocab: int, defaults: Defaults, stop_param: str = "stop"
+) -> GenerationArguments:
+    """mlx-lm's generation arguments from the body's sampling fields, checked (see the rules)."""
     max_tokens = body.get("max_completion_tokens")
     key = "max_completion_tokens" if max_tokens is not None else "max_tokens"
     max_tokens = _typed(body, key, int, defaults.max_tokens, 1, limits.max_tokens_limit)
@@ -208,11 +199,11 @@ def parse(
     template_kwargs = body.get("chat_template_kwargs")
     if template_kwargs is not None and not isinstance(template_kwargs, dict):
         raise ApiError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
-    args = GenerationArguments(
+    return GenerationArguments(
         model=ModelDescription(model=DEFAULT_MODEL, draft=DEFAULT_MODEL, adapter=None),
         sampling=sampling,
         logits=logits,
-        stop_words=stop_words(body.get("stop"), limits),
+        stop_words=stop_words(body.get("stop"), limits, stop_param),
         max_tokens=max_tokens,
         num_draft_tokens=_draft_tokens(body, defaults.num_draft_tokens),
         logprobs=_typed(body, "logprobs", bool, False),
@@ -220,10 +211,30 @@ def parse(
         seed=_typed(body, "seed", int, None, 0, (1 << 32) - 1),
         chat_template_kwargs=template_kwargs,
     )
+
+
+def parse(
+    body: Any, chat: bool, *, limits: ServeLimits, vocab: int, names: list[str], defaults: Defaults
+) -> Parsed:
+    """The checked request (see the module rules); raises ApiError."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    shown = check_model(body.get("model", DEFAULT_MODEL), names)
+    for name in ("adapters", "draft_model"):
+        if body.get(name) not in (None, DEFAULT_MODEL):
+            raise ApiError(400, f"{name} cannot be chosen by a request", param=name)
+    n = _typed(body, "n", int, 1)
+    if n != 1:
+        raise ApiError(400, "only n = 1 is supported", param="n")
+    stream = _typed(body, "stream", bool, False)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise ApiError(400, "stream_options must be an object", param="stream_options")
+    include_usage = bool(options and options.get("include_usage"))
+    args = generation_arguments(body, limits=limits, vocab=vocab, defaults=defaults)
     request = completion_request(body, chat, limits)
     prefix, kind = ("chatcmpl", "chat.completion.chunk" if stream else "chat.completion") if chat else (
         "cmpl", "text_completion")
-    shown = names[0] if model == DEFAULT_MODEL else model
     return Parsed(request, args, stream, include_usage, shown, f"{prefix}-{uuid.uuid4()}", kind)
 
 

@@ -2,7 +2,9 @@
 
 Rules of this module:
 - Routes: POST /v1/completions and /v1/chat/completions (also /chat/completions, as
-  mlx-lm), streamed as server-sent events or not; GET /v1/models, /health,
+  mlx-lm), streamed as server-sent events or not; the Anthropic Messages API, POST
+  /v1/messages (melix_mlx.serve.anthropic_wire, anthropic_render: the same batch, the
+  same machine, Anthropic's shapes) and /v1/messages/count_tokens; GET /v1/models, /health,
   /v1/melix/receipt, /metrics; the OpenAPI schema at /openapi.json (no docs pages:
   they would load scripts from a CDN).
 - A POST is read within the body limit (413) and deadline (408), decoded as UTF-8 JSON (400), checked
@@ -23,8 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,16 +36,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from melix_fsm.request import RequestEvent
 
 from .admission import Admission
+from .anthropic_render import MessageRenderer, error_event, event
+from .anthropic_wire import parse_count, parse_messages
 from .completion import Assembler
 from .errors import ApiError, error_body, install_handlers
+from .jsonout import dumps
 from .limits import ServeLimits
 from .metrics import CONTENT_TYPE
 from .privacy import FINGERPRINT, redact, scrub
 from .protocol import Defaults, Parsed, parse
-from .schemas import chat_body, completion_body
+from .schemas import chat_body, completion_body, count_tokens_body, messages_body
 from .session import Aborted, Submission, is_bad_input
 
 ABORT_FINISH = "abort"  # the finish reason of a stream the server ended
+ANTHROPIC_HEADERS = ["x-api-key", "anthropic-version", "anthropic-beta"]  # allowed cross-origin
 
 
 @dataclass
@@ -94,24 +100,6 @@ def fault_error(exc: BaseException) -> ApiError:
     return ApiError(500, redact(f"{type(exc).__name__}: {exc}"), code="request_failed")
 
 
-def finite(value: Any) -> Any:
-    """`value` with every non-finite float as null: a -inf logprob (a masked token) is not JSON."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [finite(v) for v in value]
-    return value
-
-
-def dumps(payload: Any) -> str:
-    try:
-        return json.dumps(payload, allow_nan=False)
-    except ValueError:
-        return json.dumps(finite(payload), allow_nan=False)
-
-
 def sse(payload: dict[str, Any]) -> str:
     return f"data: {dumps(payload)}\n\n"
 
@@ -152,27 +140,49 @@ async def stream_events(state: ServeState, sub: Submission, asm: Assembler, watc
         state.admission.release(sub)
 
 
-async def complete(state: ServeState, request: Request, chat: bool) -> Response:
-    body = await read_json(request, state.limits.max_body_bytes, state.limits.body_timeout_s)
-    parsed: Parsed = parse(
-        body, chat, limits=state.limits, vocab=state.vocab, names=state.names, defaults=state.defaults
-    )
+async def accept(state: ServeState, request: Request, parsed: Parsed) -> tuple[Submission, asyncio.Task, Any]:
+    """Admit `parsed` and wait for its context (the generation thread took it); the
+    submission, its disconnect watcher and the context. On a refusal both are released."""
     if state.ranks > 1 and parsed.args.seed is not None:  # mlx-lm decodes it alone, unshared
         raise ApiError(400, "a sharded server does not take seed (a seeded request leaves the batch)",
                        param="seed", code="unsupported_under_sharding")
     sub = Submission(parsed, asyncio.get_running_loop(), state.limits.request_timeout_s)
     state.admission.admit(sub)
     watcher = asyncio.create_task(watch_disconnect(request, sub, state.admission))
+    try:
+        return sub, watcher, await sub.context()
+    except Aborted as exc:
+        raise aborted_error(exc) from None
+    except Exception as exc:
+        if is_bad_input(exc):
+            raise ApiError(400, redact(str(exc)), code="invalid_prompt") from None
+        raise fault_error(exc) from None
+    finally:
+        if sub.ctx is None:
+            watcher.cancel()
+            state.admission.release(sub)
+
+
+async def drain_responses(sub: Submission, feed: Any) -> None:
+    """Feed every generated response of a non-streamed request to `feed`."""
+    try:
+        async for item in sub.responses():
+            if not isinstance(item, tuple):
+                feed(item)
+    except Aborted as exc:
+        raise aborted_error(exc) from None
+    except Exception as exc:
+        raise fault_error(exc) from None
+
+
+async def complete(state: ServeState, request: Request, chat: bool) -> Response:
+    body = await read_json(request, state.limits.max_body_bytes, state.limits.body_timeout_s)
+    parsed: Parsed = parse(
+        body, chat, limits=state.limits, vocab=state.vocab, names=state.names, defaults=state.defaults
+    )
+    sub, watcher, ctx = await accept(state, request, parsed)
     streaming = False
     try:
-        try:
-            ctx = await sub.context()
-        except Aborted as exc:
-            raise aborted_error(exc) from None
-        except Exception as exc:
-            if is_bad_input(exc):
-                raise ApiError(400, redact(str(exc)), code="invalid_prompt") from None
-            raise fault_error(exc) from None
         asm = Assembler(parsed, ctx, FINGERPRINT)
         if parsed.stream:
             streaming = True
@@ -180,19 +190,78 @@ async def complete(state: ServeState, request: Request, chat: bool) -> Response:
                 stream_events(state, sub, asm, watcher), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        try:
-            async for item in sub.responses():
-                if not isinstance(item, tuple):
-                    asm.feed(item)
-        except Aborted as exc:
-            raise aborted_error(exc) from None
-        except Exception as exc:
-            raise fault_error(exc) from None
+        await drain_responses(sub, asm.feed)
         return Response(dumps(asm.whole()), media_type="application/json")
     finally:
         if not streaming:
             watcher.cancel()
             state.admission.release(sub)
+
+
+async def message_events(
+    state: ServeState, sub: Submission, out: MessageRenderer, watcher: asyncio.Task
+) -> Any:
+    """A Messages request's stream (melix_mlx.serve.anthropic_render)."""
+    try:
+        yield out.start()
+        async for item in sub.responses():
+            if isinstance(item, tuple):  # prefill progress keeps the connection alive
+                yield event("ping", {})
+                continue
+            text = out.feed(item)
+            if text:
+                yield text
+        yield out.finish()
+    except Aborted as exc:
+        error = aborted_error(exc)
+        yield error_event(error.status, error.message)
+    except Exception as exc:  # this request's fault: its stream ends with an error event
+        error = fault_error(exc)
+        yield error_event(error.status, error.message)
+    finally:
+        watcher.cancel()
+        state.admission.release(sub)
+
+
+async def messages(state: ServeState, request: Request) -> Response:
+    """POST /v1/messages: the Anthropic Messages API over the same batch."""
+    body = await read_json(request, state.limits.max_body_bytes, state.limits.body_timeout_s)
+    parsed, _ = parse_messages(body, limits=state.limits, vocab=state.vocab, names=state.names,
+                               defaults=state.defaults)
+    sub, watcher, ctx = await accept(state, request, parsed)
+    streaming = False
+    try:
+        asm = Assembler(parsed, ctx, FINGERPRINT)
+        out = MessageRenderer(asm, parsed.args.stop_words, state.served.tokenizer)
+        if parsed.stream:
+            streaming = True
+            return StreamingResponse(
+                message_events(state, sub, out, watcher), media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        await drain_responses(sub, out.asm.feed)
+        return Response(dumps(out.whole()), media_type="application/json")
+    finally:
+        if not streaming:
+            watcher.cancel()
+            state.admission.release(sub)
+
+
+async def count_tokens(state: ServeState, request: Request) -> dict[str, Any]:
+    """POST /v1/messages/count_tokens: the prompt's tokens under the chat template."""
+    from mlx_lm.server import ResponseGenerator
+
+    body = await read_json(request, state.limits.max_body_bytes, state.limits.body_timeout_s)
+    served, kwargs = parse_count(body, limits=state.limits, names=state.names)
+    args = types.SimpleNamespace(chat_template_kwargs=kwargs)
+    tokenize = ResponseGenerator._tokenize  # mlx-lm's own, without the server's prompt limit
+    try:
+        prompt = (await asyncio.to_thread(tokenize, state.generator, state.served.tokenizer, served, args))[0]
+    except Exception as exc:
+        if is_bad_input(exc):
+            raise ApiError(400, redact(str(exc)), code="invalid_prompt") from None
+        raise fault_error(exc) from None
+    return {"input_tokens": len(prompt)}
 
 
 def build_app(
@@ -219,6 +288,14 @@ def build_app(
     @app.post("/chat/completions", include_in_schema=False)
     async def chat_alias(request: Request) -> Response:
         return await complete(state, request, chat=True)
+
+    @app.post("/v1/messages", openapi_extra=messages_body(state.limits, state.vocab), tags=["anthropic"])
+    async def anthropic_messages(request: Request) -> Response:
+        return await messages(state, request)
+
+    @app.post("/v1/messages/count_tokens", openapi_extra=count_tokens_body(state.limits), tags=["anthropic"])
+    async def anthropic_count_tokens(request: Request) -> dict[str, Any]:
+        return await count_tokens(state, request)
 
     @app.get("/v1/models", tags=["openai"])
     async def models() -> dict[str, Any]:
@@ -260,7 +337,7 @@ def build_app(
     if allowed_origins:  # outermost: a preflight is answered before auth
         app.add_middleware(
             CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "Content-Type"],
+            allow_headers=["Authorization", "Content-Type", *ANTHROPIC_HEADERS],
         )
     with contextlib.suppress(Exception):
         app.openapi()  # built once at start: a schema error fails the start, not a client

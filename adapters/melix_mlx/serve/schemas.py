@@ -80,3 +80,61 @@ def chat_body(limits: ServeLimits, vocab: int) -> dict[str, Any]:
         **_common(limits, vocab),
     }
     return _body({"type": "object", "required": ["messages"], "properties": properties})
+
+
+def _anthropic_conversation(limits: ServeLimits) -> dict[str, Any]:
+    text = {"type": "object", "required": ["type", "text"],
+            "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}
+    texts = {"type": "array", "items": text}
+    tool_use = {"type": "object", "required": ["type", "id", "name", "input"],
+                "properties": {"type": {"enum": ["tool_use"]}, "id": {"type": "string"},
+                               "name": {"type": "string"}, "input": {"type": "object"}}}
+    tool_result = {"type": "object", "required": ["type", "tool_use_id"],
+                   "properties": {"type": {"enum": ["tool_result"]}, "tool_use_id": {"type": "string"},
+                                  "content": {"oneOf": [{"type": "string"}, texts]},
+                                  "is_error": {"type": "boolean"}}}
+    message = {
+        "type": "object",
+        "required": ["role", "content"],
+        "properties": {
+            "role": {"type": "string", "enum": ["user", "assistant"]},
+            "content": {"oneOf": [{"type": "string"},
+                                  {"type": "array", "items": {"oneOf": [text, tool_use, tool_result]}}]},
+        },
+    }
+    tool = {"type": "object", "required": ["name", "input_schema"],
+            "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 128},
+                           "description": {"type": "string"}, "input_schema": {"type": "object"}}}
+    return {
+        "model": {"type": "string"},
+        "messages": {"type": "array", "minItems": 1, "maxItems": limits.max_messages, "items": message},
+        "system": {"oneOf": [{"type": "string"}, {"type": "array", "items": text}]},
+        "tools": {"type": "array", "items": tool},
+        "tool_choice": {"type": "object", "required": ["type"],
+                        "properties": {"type": {"enum": ["auto", "none"]}, "name": {"type": "string"}}},
+        "thinking": {"type": "object", "required": ["type"],
+                     "properties": {"type": {"enum": ["enabled", "disabled"]},
+                                    "budget_tokens": {"type": "integer"}}},
+    }
+
+
+def messages_body(limits: ServeLimits, vocab: int) -> dict[str, Any]:
+    """The Anthropic Messages API's body (melix_mlx.serve.anthropic_wire)."""
+    properties = {
+        **_anthropic_conversation(limits),
+        "max_tokens": {"type": "integer", "minimum": 1, "maximum": limits.max_tokens_limit},
+        "stop_sequences": {"type": "array", "maxItems": limits.max_stop,
+                           "items": {"type": "string", "maxLength": limits.max_stop_chars}},
+        "stream": {"type": "boolean"},
+        "temperature": {"type": "number", "minimum": 0},
+        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "top_k": {"type": "integer", "minimum": 0, "maximum": vocab - 1},
+        "metadata": {"type": "object"},
+    }
+    required = ["model", "messages", "max_tokens"]
+    return _body({"type": "object", "required": required, "properties": properties})
+
+
+def count_tokens_body(limits: ServeLimits) -> dict[str, Any]:
+    properties = _anthropic_conversation(limits)
+    return _body({"type": "object", "required": ["model", "messages"], "properties": properties})
