@@ -36,7 +36,7 @@ from melix_fsm.policy.cost_model import TimingTable
 
 CACHE_ENV = "MELIX_FSM_CALIBRATION_CACHE"
 LAYOUT = 1  # bump when the key or the stored record changes shape
-_MEMO: dict[str, TimingTable] = {}
+_MEMO: dict[Path, TimingTable] = {}  # by file: a memo never outlives a change of directory
 
 
 def cache_root() -> Path | None:
@@ -157,22 +157,22 @@ class CalibrationCache:
         return self.root / f"{_digest(key)}.json"
 
     def load(self, key: dict[str, Any]) -> TimingTable | None:
-        digest = _digest(key)
-        if digest in _MEMO:
-            return _MEMO[digest]
+        target = self.file_of(key)
+        if target in _MEMO:
+            return _MEMO[target]
         try:
-            record = json.loads(self.file_of(key).read_text(encoding="utf-8"))
+            record = json.loads(target.read_text(encoding="utf-8"))
             if record.get("key") != json.loads(json.dumps(key)):
                 return None
             table = msgspec.convert(record["table"], TimingTable)
         except (OSError, ValueError, KeyError, TypeError, msgspec.ValidationError):
             return None
-        _MEMO[digest] = table
+        _MEMO[target] = table
         return table
 
     def store(self, key: dict[str, Any], table: TimingTable) -> None:
-        _MEMO[_digest(key)] = table
         target = self.file_of(key)
+        _MEMO[target] = table
         record = {"key": key, "table": msgspec.to_builtins(table)}
         try:
             self.root.mkdir(parents=True, exist_ok=True)
