@@ -14,12 +14,16 @@ Rules of this package:
   shrinks failures). On top: `hunt_bugs` (every distinct bug of a run, by `signature`,
   shrunk further by `shrink`, after the fixed `probes`), `distribution` (sampled
   decoding against the target's probabilities) and `qa` (the session and report behind
-  `melix-fsm qa`).
+  `melix-fsm qa`). Beside them: `divergence` (the contract that tells a rounding-level
+  near-tie from a bug, by the reference's logits) and `invariance` (batch-invariance
+  oracles: a row's tokens do not depend on its neighbours).
 """
 
 from .distribution import check_distribution, draw_continuations, draw_with_restarts, measure_distribution
+from .divergence import DivergenceJudge, DivergenceLedger, RoundingContract, judge_for
 from .driver import ConformanceDriver, RequestSpec, replay
 from .hunt import Bug, HuntResult, group_causes, hunt_bugs
+from .invariance import alone_reference, check_batch_invariance
 from .machine import PROFILES, make_conformance_machine, profile_settings, run_conformance
 from .mirror import PROPERTIES, ConformanceError, ReportMirror, allowed_emissions
 from .probes import probe_schedules
@@ -32,6 +36,12 @@ __all__ = [
     "PROFILES",
     "PROPERTIES",
     "Bug",
+    "DivergenceJudge",
+    "DivergenceLedger",
+    "RoundingContract",
+    "alone_reference",
+    "check_batch_invariance",
+    "judge_for",
     "HuntResult",
     "Signature",
     "SurfaceError",
