@@ -24,12 +24,11 @@ HEADS_DIR = Path(__file__).resolve().parents[2] / "adapters" / "melix_mlx" / "lo
 
 RUNNABLE = {"qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "mimo"}
 RUNNABLE |= {"ernie4_5_moe", "longcat_flash"}
+RUNNABLE |= {"deepseek_v32", "glm_moe_dsa"}
 REFUSED = {
     "bailing_moe_v3",
     "exaone_moe",
     "nemotron_h",
-    "deepseek_v32",
-    "glm_moe_dsa",
     "mimo_v2_flash",
     "kimi_k3",
     "longcat_flash_ngram",

@@ -24,10 +24,12 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import deepseek_v3, glm4_moe_lite, longcat_flash
+from mlx_lm.models import deepseek_v3, deepseek_v32, glm4_moe_lite, longcat_flash
 from mlx_lm.models.base import scaled_dot_product_attention
 
-_VERIFYING = "melix_verifying"  # attribute a KV cache leaf carries during a verify forward
+from . import dsa
+
+_VERIFYING = dsa.VERIFYING  # attribute a KV cache leaf carries during a verify forward
 
 
 def _absorbed_call(self: Any, x: mx.array, mask: mx.array | None, cache: Any) -> mx.array:
@@ -107,6 +109,8 @@ ABSORBED: dict[type, type] = {
     longcat_flash.LongcatFlashMLA: AbsorbedLongcatAttention,  # both sub-layers and the MTP head's
     deepseek_v3.DeepseekV3Attention: AbsorbedVerifyAttention,
     glm4_moe_lite.Glm4MoeLiteAttention: AbsorbedGlm4MoeLiteAttention,
+    # sparse attention (deepseek_v32, glm_moe_dsa): one-token form per query (melix_mlx.runtime.dsa)
+    deepseek_v32.DeepseekV32Attention: dsa.DsaVerifyAttention,
 }
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import tiny_ernie_longcat, tiny_moe
+from . import tiny_dsa, tiny_ernie_longcat, tiny_moe
 from .tiny_layers import Init, lm_head, mlp, qwen3_5_full_attn, qwen3_5_linear_attn
 from .tiny_tokenizer import EOS_TOKEN_ID, VOCAB_SIZE, write_tokenizer
 
@@ -132,7 +132,7 @@ _BASE_CONFIGS: dict[str, dict[str, Any]] = {
 FAMILIES = tuple(_BASE_CONFIGS)  # the core families every decode test runs over
 # families whose fixtures live in melix_mlx.tools.tiny_moe (their own tests: test_families*.py)
 MORE_FAMILIES = ("glm4_moe", "glm4_moe_lite", "qwen3_5_moe", "qwen3_next")
-ALL_FAMILIES = FAMILIES + MORE_FAMILIES + tiny_ernie_longcat.FAMILIES
+ALL_FAMILIES = FAMILIES + MORE_FAMILIES + tiny_dsa.FAMILIES + tiny_ernie_longcat.FAMILIES
 # the config key each family's head count is written under (``mtp_layers``)
 HEAD_COUNT_KEY = {
     "qwen3_5": "mtp_num_hidden_layers",
@@ -143,13 +143,14 @@ HEAD_COUNT_KEY = {
     "glm4_moe_lite": "num_nextn_predict_layers",
     "mimo": "num_nextn_predict_layers",
 }
+HEAD_COUNT_KEY.update(tiny_dsa.HEAD_COUNT_KEY)
 HEAD_COUNT_KEY.update(tiny_ernie_longcat.HEAD_COUNT_KEY)
 
 
 def _config_for(family: str, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict]:
     """Return (config.json dict, the language-model settings dict inside it)."""
-    if family in tiny_ernie_longcat.CONFIGS:  # flat configs
-        text = copy.deepcopy(tiny_ernie_longcat.CONFIGS[family])
+    if family in tiny_dsa.CONFIGS or family in tiny_ernie_longcat.CONFIGS:  # flat configs
+        text = copy.deepcopy({**tiny_dsa.CONFIGS, **tiny_ernie_longcat.CONFIGS}[family])
         text.update(overrides)
         return text, text
     if family in MORE_FAMILIES:
@@ -251,6 +252,8 @@ _BUILDERS = {"qwen3_5": _qwen3_5_weights, "mimo": _mimo_weights}
 
 
 def _builder(family: str) -> Any:
+    if family in tiny_dsa.BUILDERS:
+        return tiny_dsa.BUILDERS[family]
     if family in tiny_ernie_longcat.BUILDERS:
         return tiny_ernie_longcat.BUILDERS[family]
     if family not in _BUILDERS:  # the MoE layouts (DeepSeek-V3 included) live in tiny_moe

@@ -49,9 +49,11 @@ from types import ModuleType
 
 from . import (
     deepseek_v3,
+    deepseek_v32,
     ernie4_5_moe,
     glm4_moe,
     glm4_moe_lite,
+    glm_moe_dsa,
     longcat_flash,
     mimo,
     qwen3_5,
@@ -68,6 +70,8 @@ FAMILY_MODULES: dict[str, ModuleType] = {
     "glm4_moe": glm4_moe,
     "glm4_moe_lite": glm4_moe_lite,
     "mimo": mimo,
+    "deepseek_v32": deepseek_v32,
+    "glm_moe_dsa": glm_moe_dsa,
     "ernie4_5_moe": ernie4_5_moe,
     "longcat_flash": longcat_flash,
 }
