@@ -17,7 +17,7 @@ On a tiny checkpoint written in each family's Hugging Face layout, with ``index_
   joiner, a removed row);
 - after rejecting cycles the main cache (both parts of every layer's CacheList) equals
   a clean run fed only the confirmed tokens, bit for bit, with no replay forward;
-- 4-bit weights keep identity.
+- 4-bit weights keep identity; a quantized KV cache is refused typed (latent attention).
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ from mlx_lm.models.cache import CacheList, make_prompt_cache
 from scripted_head import ScriptedHead
 from test_decode_rollback import CYCLES, PROMPT, clean_cache, max_diff, run_cycles
 
-from melix_fsm.receipt import resolve
+from melix_fsm.config import speculative_config
+from melix_fsm.reasons import RefusalReason
+from melix_fsm.receipt import Mode, ServingContext, resolve
 
 N = 14
 TOPK = 6
@@ -377,3 +379,13 @@ def test_4bit_weights_keep_identity(dsa_heads, family, tmp_path):
         want = reference(model, PROMPTS[2], N)
         got, decoder = mtp(model, head, PROMPTS[2], N, k)
         assert got == want and decoder.stats["cycles"] > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_quantized_kv_cache_is_refused_typed(dsa_heads, family):
+    """The latent cache is read as plain arrays: kv_bits is refused, the family is not."""
+    path = dsa_heads[family][0]
+    receipt = resolve(path, speculative_config(), context=ServingContext(quantized_kv=True))
+    assert receipt.mode is Mode.refused and receipt.refusal_reason is RefusalReason.unsupported_quantization
+    plain = resolve(path, speculative_config())
+    assert plain.mode is Mode.accepted and [c.kind for c in plain.caches] == ["kv"]
