@@ -25,6 +25,14 @@ Rules of this module:
   live keys than ``index_topk`` and are then masked out of the attention.
 - Rollback: both sub-caches are KV caches written in lockstep, so trimming (or, batched,
   dropping row suffixes from) every leaf of the ``CacheList`` restores both exactly.
+- A single sequence stays in mlx-lm's own cache form (melix_mlx.decode moves only plain
+  KV / recurrent caches to the one-row batch form): there a rolled-back hole would sit
+  in the indexer's row and in the ``index_topk`` count, and the step would no longer be
+  mlx-lm's one-token step bit for bit (the same keys, but gathered in another order).
+  Batched rows are held to the same keys as alone, not to the same bits (as every
+  family's batched rows are to their padding); an exact tie in the indexer's scores at
+  the top-k boundary may be broken differently in a padded row, as in mlx-lm's own
+  batched decoding.
 """
 
 from __future__ import annotations
