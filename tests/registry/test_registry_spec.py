@@ -25,10 +25,10 @@ HEADS_DIR = Path(__file__).resolve().parents[2] / "adapters" / "melix_mlx" / "lo
 RUNNABLE = {"qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "mimo"}
 RUNNABLE |= {"ernie4_5_moe", "longcat_flash"}
 RUNNABLE |= {"deepseek_v32", "glm_moe_dsa"}
+RUNNABLE |= {"nemotron_h"}
 REFUSED = {
     "bailing_moe_v3",
     "exaone_moe",
-    "nemotron_h",
     "mimo_v2_flash",
     "kimi_k3",
     "longcat_flash_ngram",
@@ -76,6 +76,14 @@ def test_rollback_matrix_covers_every_cell() -> None:
     assert reg.unmergeable["rotating_keep"].refusal is RefusalReason.unsupported_cache_sharing
 
 
+_REFUSED_X = {
+    "doc": "A refused family.",
+    "support": "refused",
+    "model_types": ["refused_x"],
+    "refusal": "unsupported_model",
+    "message": "refused_x ships a head we do not run",
+    "cache_kinds": ["kv"],
+}
 FAMILY_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("no schema", lambda d: d.pop("schema"), "schema"),
     ("no families", lambda d: d.pop("families"), "families"),
@@ -95,15 +103,15 @@ FAMILY_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ),
     ("duplicate model_type", lambda d: d["families"]["llama"].update(model_types=["mimo"]), "families.llama"),
     ("unknown cache kind", lambda d: d["families"]["mimo"].update(cache_kinds=["paged"]), "families.mimo"),
-    (
+    (  # a refused entry of the test's own: which shipped families stay refused changes
         "refused without message",
-        lambda d: d["families"]["nemotron_h"].pop("message"),
-        "families.nemotron_h",
+        lambda d: d["families"].update(refused_x={k: v for k, v in _REFUSED_X.items() if k != "message"}),
+        "families.refused_x",
     ),
     (
         "refusal not a reason",
-        lambda d: d["families"]["nemotron_h"].update(refusal="nope"),
-        "families.nemotron_h",
+        lambda d: d["families"].update(refused_x={**_REFUSED_X, "refusal": "nope"}),
+        "families.refused_x",
     ),
     (  # no borrowed layouts: nothing could refuse one (no unvalidated_family reason)
         "layout_of is no key",

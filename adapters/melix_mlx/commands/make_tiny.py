@@ -18,6 +18,7 @@ from typing import Any
 FAMILIES = ("qwen3_5", "deepseek_v3", "mimo", "glm4_moe", "glm4_moe_lite", "qwen3_5_moe", "qwen3_next")
 FAMILIES += ("ernie4_5_moe", "longcat_flash")
 FAMILIES += ("deepseek_v32", "glm_moe_dsa")
+FAMILIES += ("nemotron_h",)
 
 
 def register(subparsers: Any) -> None:

@@ -215,7 +215,7 @@ def build_layer(
     own = has_own if own_lm_head is None else (own_lm_head and has_own)
     if not own:
         weights = {k: v for k, v in weights.items() if not k.startswith("shared_head.head.")}
-    head = HEAD_CLASSES[family].from_model(model, own_lm_head=own)
+    head = HEAD_CLASSES[family].from_weights(model, weights, own_lm_head=own)
     stored_quantized = any(k.endswith(".scales") for k in weights)
     if stored_quantized:
 

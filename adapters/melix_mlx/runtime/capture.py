@@ -39,6 +39,7 @@ from mlx_lm.models.gated_delta import (
     normalize_qk,
 )
 
+from . import capture_mamba
 from .cache_leaves import leaves
 
 _ARMED = "melix_steps"  # attribute an armed ArraysCache leaf carries: list of per-step states
@@ -188,6 +189,7 @@ CAPTURING: dict[type, type] = {
     qwen3_5.GatedDeltaNet: CapturingGatedDeltaNet,
     qwen3_next.Qwen3NextGatedDeltaNet: CapturingQwen3NextGatedDeltaNet,
 }
+CAPTURING.update(capture_mamba.CAPTURING)  # Nemotron-H Mamba-2
 
 
 def _recurrent_layers(model: nn.Module) -> list[nn.Module]:

@@ -2,7 +2,8 @@
 
 Rules:
 - ``forward_with_hidden`` runs the model's own inner module (``model.model`` for
-  deepseek_v3/mimo, ``model.language_model.model`` for qwen3_5) and applies the output
+  deepseek_v3/mimo, ``model.language_model.model`` for qwen3_5, ``model.backbone`` for
+  nemotron_h) and applies the output
   projection exactly as the model's ``__call__`` does, so its logits are bitwise equal
   to ``model(inputs, cache)``. ``hidden`` is the final POST-norm state (lm_head input).
 - Nothing here mutates the model or mlx-lm; it only reads attributes.
@@ -31,17 +32,24 @@ class MainParts:
     lm_head: Callable[[mx.array], mx.array]
 
 
+# mlx-lm's names for the inner model and its embedding (nemotron_h: backbone.embeddings,
+# the bailing families: model.word_embeddings)
+_INNER = ("model", "backbone")
+_EMBED = ("embed_tokens", "embeddings", "word_embeddings")
+
+
 def main_parts(model: nn.Module) -> MainParts:
     """Locate text module, inner model, embedding and lm_head of a loaded model."""
     text = model.get("language_model", model)
-    inner = text.get("model") if isinstance(text, dict) else None
-    if inner is None or "embed_tokens" not in inner:
+    inner = next((text[n] for n in _INNER if isinstance(text, dict) and n in text), None)
+    embed_name = next((n for n in _EMBED if inner is not None and n in inner), None)
+    if embed_name is None:
         raise UnsupportedModel(
             f"{type(model).__module__}.{type(model).__name__} has no inner model with "
-            "embed_tokens; cannot read its hidden states"
+            "an embedding; cannot read its hidden states"
         )
     args = getattr(text, "args", None)
-    embed = inner.embed_tokens
+    embed = inner[embed_name]
     if getattr(args, "tie_word_embeddings", False) or "lm_head" not in text:
         lm_head: Callable[[mx.array], mx.array] = embed.as_linear
     else:

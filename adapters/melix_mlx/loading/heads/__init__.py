@@ -56,6 +56,7 @@ from . import (
     glm_moe_dsa,
     longcat_flash,
     mimo,
+    nemotron_h,
     qwen3_5,
     qwen3_5_moe,
     qwen3_next,
@@ -74,6 +75,7 @@ FAMILY_MODULES: dict[str, ModuleType] = {
     "glm_moe_dsa": glm_moe_dsa,
     "ernie4_5_moe": ernie4_5_moe,
     "longcat_flash": longcat_flash,
+    "nemotron_h": nemotron_h,
 }
 
 HEAD_CLASSES: dict[str, type[MTPHeadBase]] = {name: module.MTPHead for name, module in FAMILY_MODULES.items()}

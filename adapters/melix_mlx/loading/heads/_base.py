@@ -52,6 +52,15 @@ class MTPHeadBase(nn.Module):
             return cls(parts.args, parts.embed_tokens, parts.lm_head, own_lm_head=own_lm_head)
         return cls(parts.args, parts.embed_tokens, parts.lm_head)
 
+    @classmethod
+    def from_weights(
+        cls, model: nn.Module, weights: dict[str, mx.array], *, own_lm_head: bool = False
+    ) -> MTPHeadBase:
+        """The head `weights` (its parameter tensors, about to be loaded) fit: `from_model`
+        for every family whose layout the config fixes; a head whose sub-layer layout is
+        read from its tensors (nemotron_h) overrides this."""
+        return cls.from_model(model, own_lm_head=own_lm_head)
+
     def __call__(
         self, hidden: mx.array, next_tokens: mx.array, cache: list[Any] | None = None, mask: Any = None
     ) -> tuple[mx.array, mx.array]:
