@@ -1,0 +1,152 @@
+"""The speculative cycle's efficiency at a controlled acceptance, per family, without a trained head.
+
+Rules of this script:
+- Per family it writes the tiny checkpoint (`make-tiny`; `--hidden` / `--layers` widen it),
+  loads it with its own head, and runs mlx-lm's plain greedy decode of every prompt first.
+  The draft source is `melix_mlx.tools.controlled_draft.ControlledDraft`: the family's real
+  head forward (its cost), proposing the target's greedy token with probability p and a
+  wrong one otherwise (position i accepted with probability ~p^i).
+- The cells are melix_mlx.tools.bench's (the harness every speed figure comes from): MTP
+  forced on against mlx-lm's `stream_generate` (single sequence) and `BatchGenerator`
+  (batch B), interleaved ABBA per repeat, with the A/A control; the device policy's auto
+  runs are left out (this measures the engine, not the policy).
+- Ideal = E[tokens per cycle] / ((t_verify + k t_head) / t_1), from this run's calibrated
+  timings (the controlled source in the head slot, so its lookup is priced too) and the
+  cell's MEASURED per-position acceptance; efficiency = measured speedup / ideal, median
+  over repeats. The acceptance measured is reported beside p.
+- The regime is recorded. The bandwidth-bound CPU regime is OpenBLAS, one thread:
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \\
+      python benchmarks/bench_controlled_acceptance.py --families ernie4_5_moe longcat_flash
+- Output: a table on stderr, one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from typing import Any
+
+import mlx.core as mx
+from melix_mlx.loading import load_with_heads
+from melix_mlx.runtime.hidden import main_parts
+from melix_mlx.tools.bench import Bench
+from melix_mlx.tools.bench_results import regime
+from melix_mlx.tools.controlled_draft import ControlledDraft
+from melix_mlx.tools.tiny import make_tiny
+from melix_mlx.tools.workloads import Prompt
+from mlx_lm.generate import generate_step
+
+TEXTS = [
+    "def parse(line):\n    key, _, value = line.partition('=')\n",
+    "The quick brown fox jumps over the lazy dog, then",
+    "import os\nfor root, dirs, files in os.walk('.'):\n",
+    "Numbers: 3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8",
+]
+FIELDS = (
+    "ratio",
+    "ratio_min",
+    "ratio_max",
+    "ideal_ratio",
+    "efficiency",
+    "acceptance_rate",
+    "per_position_acceptance",
+    "aa_ratios",
+    "tps",
+    "baseline_tps",
+    "breakdown_ms",
+)
+
+
+class ControlledBench(Bench):
+    """The harness's cells without the auto runs (see the rules)."""
+
+    def auto_controller(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def bench_family(family: str, path: str, args: argparse.Namespace) -> dict[str, Any]:
+    model, tokenizer, head, _ = load_with_heads(path)
+    prompts = [Prompt("controlled", text, "fixed") for text in TEXTS]
+    bench = ControlledBench(
+        model, tokenizer, head, family=family, max_tokens=args.tokens, repeats=args.reps, prompts=prompts
+    )
+    longest = args.tokens + args.k + 8  # the plain run covers every position a draft can reach
+    scripts = [
+        p + [t for t, _ in generate_step(mx.array(p), model, max_tokens=longest)] for p in bench.prompts
+    ]
+    vocab = main_parts(model).args.vocab_size
+    bench.head = ControlledDraft(head, scripts, vocab, args.p, seed=args.seed)
+    sizes = sorted({1, args.batch})
+
+    def cell(size: int) -> Any:
+        return bench.single_cell(args.k, 0.0) if size == 1 else bench.batch_cell(size, args.k, 0.0)
+
+    bench.repeats = 1
+    for size in sizes:  # warm-up: first-call compilation and allocation stay out of the figures
+        cell(size)
+    bench.repeats = args.reps
+    out: dict[str, Any] = {"calibration_tries": 0}
+    for _ in range(args.calibration_tries):  # a shared machine can poison one; it is refused, not used
+        out["calibration_tries"] += 1
+        bench.failures.clear()
+        calibration = bench.calibrate(sizes, [args.k])
+        if args.k in bench.timings:
+            break
+    out["calibration"] = calibration
+    for size in sizes:
+        row = {name: getattr(cell(size), name) for name in FIELDS}
+        out["single" if size == 1 else f"batch{size}"] = row
+    return out
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else "-"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--families", nargs="+", default=["ernie4_5_moe", "longcat_flash", "deepseek_v3"])
+    parser.add_argument("--p", type=float, default=0.8)
+    parser.add_argument("--k", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--calibration-tries", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=None, help="hidden size of the tiny models")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers of the tiny models")
+    args = parser.parse_args()
+    shape = {k: v for k, v in (("hidden_size", args.hidden), ("num_hidden_layers", args.layers)) if v}
+    result: dict[str, Any] = {"regime": regime(), "args": vars(args), "families": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in args.families:
+            path = str(make_tiny(family, f"{tmp}/{family}", **shape))
+            result["families"][family] = bench_family(family, path, args)
+    print(
+        f"regime: {result['regime']['blas']} ({result['regime']['blas_threads']} threads); p = {args.p}, "
+        f"k = {args.k}, {args.tokens} tokens, median of {args.reps}",
+        file=sys.stderr,
+    )
+    print(
+        f"{'family':14} {'cell':7} {'speedup':>8} {'ideal':>7} {'effic':>7} {'accept':>7} {'A/A':>12}",
+        file=sys.stderr,
+    )
+    for family, cells in result["families"].items():
+        for name, row in cells.items():
+            if not isinstance(row, dict) or "ratio" not in row:
+                continue
+            aa = row["aa_ratios"]
+            aa_s = f"{min(aa):.2f}-{max(aa):.2f}" if aa else "-"
+            print(
+                f"{family:14} {name:7} {_fmt(row['ratio']):>8} {_fmt(row['ideal_ratio']):>7} "
+                f"{_fmt(row['efficiency']):>7} {_fmt(row['acceptance_rate']):>7} {aa_s:>12}",
+                file=sys.stderr,
+            )
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
