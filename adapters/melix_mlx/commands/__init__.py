@@ -22,6 +22,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "melix_mlx.commands.widen",
     "melix_mlx.commands.convert",
     "melix_mlx.commands.qa",
+    "melix_mlx.commands.verify",
 )
 
 # (module, extra of melix-fsm that installs it); tests/registry check them against pyproject.toml
@@ -30,6 +31,7 @@ REQUIRES: dict[str, tuple[tuple[str, str], ...]] = {
     "serve": DEFAULT_REQUIRES + (("fastapi", "serve"), ("uvicorn", "serve"), ("prometheus_client", "serve")),
     "bench": DEFAULT_REQUIRES + (("matplotlib", "bench"),),  # tqdm is optional: plain lines without it
     "qa": DEFAULT_REQUIRES + (("hypothesis", "qa"),),
+    "verify": DEFAULT_REQUIRES + (("hypothesis", "qa"),),
 }
 
 __all__ = ["COMMAND_MODULES", "DEFAULT_REQUIRES", "REQUIRES", "resolve_model"]

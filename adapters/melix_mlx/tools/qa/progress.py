@@ -15,8 +15,11 @@ from typing import Any, TextIO
 
 
 class Progress:
-    def __init__(self, stream: TextIO | None = None, *, enabled: bool = True) -> None:
+    def __init__(
+        self, stream: TextIO | None = None, *, enabled: bool = True, prog: str = "melix-fsm qa"
+    ) -> None:
         self.stream = stream or sys.stderr
+        self.prog = prog
         self.enabled = enabled
         self.bar: Any = None
         if enabled and getattr(self.stream, "isatty", lambda: False)():
@@ -25,7 +28,7 @@ class Progress:
             except ImportError:
                 tqdm = None
             if tqdm is not None:
-                self.bar = tqdm(file=self.stream, unit=" schedules", desc="qa", leave=False)
+                self.bar = tqdm(file=self.stream, unit=" schedules", desc=prog.split()[-1], leave=False)
 
     def __call__(self, kind: str, value: Any = None) -> None:
         if not self.enabled:
@@ -37,7 +40,7 @@ class Progress:
                 self.bar.set_description(f"qa {kind} {value}")
             return
         if kind in ("round", "phase", "bug"):
-            print(f"melix-fsm qa: {kind} {value}", file=self.stream, flush=True)
+            print(f"{self.prog}: {kind} {value}", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
