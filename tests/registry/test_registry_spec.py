@@ -24,17 +24,16 @@ HEADS_DIR = Path(__file__).resolve().parents[2] / "adapters" / "melix_mlx" / "lo
 
 RUNNABLE = {"qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "mimo"}
 RUNNABLE |= {"ernie4_5_moe", "longcat_flash"}
+RUNNABLE |= {"bailing_moe_v3", "bailing_hybrid"}
 RUNNABLE |= {"deepseek_v32", "glm_moe_dsa"}
 RUNNABLE |= {"nemotron_h"}
 REFUSED = {
-    "bailing_moe_v3",
     "exaone_moe",
     "mimo_v2_flash",
     "kimi_k3",
     "longcat_flash_ngram",
     "step3p5",
     "deepseek_v41",
-    "bailing_hybrid",
 }
 
 

@@ -27,7 +27,7 @@ import mlx.nn as nn
 from mlx_lm.models import deepseek_v3, deepseek_v32, glm4_moe_lite, longcat_flash
 from mlx_lm.models.base import scaled_dot_product_attention
 
-from . import dsa
+from . import absorbed_bailing, dsa
 
 _VERIFYING = dsa.VERIFYING  # attribute a KV cache leaf carries during a verify forward
 
@@ -112,6 +112,7 @@ ABSORBED: dict[type, type] = {
     # sparse attention (deepseek_v32, glm_moe_dsa): one-token form per query (melix_mlx.runtime.dsa)
     deepseek_v32.DeepseekV32Attention: dsa.DsaVerifyAttention,
 }
+ABSORBED.update(absorbed_bailing.ABSORBED)  # Ling V3 and Ling 2.5 latent attention
 
 
 def install(model: nn.Module) -> int:

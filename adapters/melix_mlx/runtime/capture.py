@@ -39,10 +39,9 @@ from mlx_lm.models.gated_delta import (
     normalize_qk,
 )
 
-from . import capture_mamba
+from . import capture_linear, capture_mamba
+from .cache_leaves import ARMED as _ARMED  # attribute an armed leaf carries: per-step states
 from .cache_leaves import leaves
-
-_ARMED = "melix_steps"  # attribute an armed ArraysCache leaf carries: list of per-step states
 
 
 def _recur(
@@ -189,6 +188,7 @@ CAPTURING: dict[type, type] = {
     qwen3_5.GatedDeltaNet: CapturingGatedDeltaNet,
     qwen3_next.Qwen3NextGatedDeltaNet: CapturingQwen3NextGatedDeltaNet,
 }
+CAPTURING.update(capture_linear.CAPTURING)  # Bailing and Kimi K3 linear attention
 CAPTURING.update(capture_mamba.CAPTURING)  # Nemotron-H Mamba-2
 
 
@@ -244,8 +244,8 @@ def arm(cache: list[Any]) -> list[ArraysCache]:
     return armed
 
 
-def collect(armed: list[ArraysCache]) -> list[list[tuple[mx.array, mx.array]]]:
-    """Disarm; per leaf, the (conv window, recurrent state) after each verified position."""
+def collect(armed: list[ArraysCache]) -> list[list[tuple[mx.array, ...]]]:
+    """Disarm; per leaf, its arrays (here: conv window, recurrent state) after each verified position."""
     out = []
     for c in armed:
         out.append(getattr(c, _ARMED, None) or [])
@@ -276,7 +276,7 @@ def select(armed: list[ArraysCache], steps: list[list[tuple[mx.array, mx.array]]
             continue
         chosen = list(recorded[0])
         for position in range(1, len(recorded)):
-            for part in range(2):
+            for part in range(len(chosen)):  # every array the leaf holds (2 here, 1-4 in capture_linear)
                 value = recorded[position][part]
                 chosen[part] = mx.where(row_mask(position, value.ndim), value, chosen[part])
         c.cache = chosen

@@ -27,7 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import tiny_dsa, tiny_ernie_longcat, tiny_moe, tiny_nemotron
+from . import tiny_dsa, tiny_ernie_longcat, tiny_linear, tiny_moe, tiny_nemotron
 from .tiny_layers import Init, lm_head, mlp, qwen3_5_full_attn, qwen3_5_linear_attn
 from .tiny_tokenizer import EOS_TOKEN_ID, VOCAB_SIZE, write_tokenizer
 
@@ -133,6 +133,7 @@ FAMILIES = tuple(_BASE_CONFIGS)  # the core families every decode test runs over
 # families whose fixtures live in melix_mlx.tools.tiny_moe (their own tests: test_families*.py)
 MORE_FAMILIES = ("glm4_moe", "glm4_moe_lite", "qwen3_5_moe", "qwen3_next")
 ALL_FAMILIES = FAMILIES + MORE_FAMILIES + tiny_dsa.FAMILIES + tiny_ernie_longcat.FAMILIES
+ALL_FAMILIES += tiny_linear.FAMILIES
 ALL_FAMILIES += tiny_nemotron.FAMILIES
 # the config key each family's head count is written under (``mtp_layers``)
 HEAD_COUNT_KEY = {
@@ -144,6 +145,7 @@ HEAD_COUNT_KEY = {
     "glm4_moe_lite": "num_nextn_predict_layers",
     "mimo": "num_nextn_predict_layers",
 }
+HEAD_COUNT_KEY.update(tiny_linear.HEAD_COUNT_KEY)
 HEAD_COUNT_KEY.update(tiny_dsa.HEAD_COUNT_KEY)
 HEAD_COUNT_KEY.update(tiny_ernie_longcat.HEAD_COUNT_KEY)
 HEAD_COUNT_KEY.update(tiny_nemotron.HEAD_COUNT_KEY)
@@ -151,6 +153,10 @@ HEAD_COUNT_KEY.update(tiny_nemotron.HEAD_COUNT_KEY)
 
 def _config_for(family: str, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict]:
     """Return (config.json dict, the language-model settings dict inside it)."""
+    if family in tiny_linear.CONFIGS:  # flat configs
+        text = copy.deepcopy(tiny_linear.CONFIGS[family])
+        text.update(overrides)
+        return text, text
     if family in tiny_nemotron.CONFIGS:  # flat config
         text = copy.deepcopy(tiny_nemotron.CONFIGS[family])
         text.update(overrides)
@@ -258,6 +264,8 @@ _BUILDERS = {"qwen3_5": _qwen3_5_weights, "mimo": _mimo_weights}
 
 
 def _builder(family: str) -> Any:
+    if family in tiny_linear.BUILDERS:
+        return tiny_linear.BUILDERS[family]
     if family in tiny_nemotron.BUILDERS:
         return tiny_nemotron.BUILDERS[family]
     if family in tiny_dsa.BUILDERS:

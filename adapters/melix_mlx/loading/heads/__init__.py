@@ -48,6 +48,8 @@ from __future__ import annotations
 from types import ModuleType
 
 from . import (
+    bailing_hybrid,
+    bailing_moe_v3,
     deepseek_v3,
     deepseek_v32,
     ernie4_5_moe,
@@ -71,6 +73,8 @@ FAMILY_MODULES: dict[str, ModuleType] = {
     "glm4_moe": glm4_moe,
     "glm4_moe_lite": glm4_moe_lite,
     "mimo": mimo,
+    "bailing_moe_v3": bailing_moe_v3,
+    "bailing_hybrid": bailing_hybrid,
     "deepseek_v32": deepseek_v32,
     "glm_moe_dsa": glm_moe_dsa,
     "ernie4_5_moe": ernie4_5_moe,
