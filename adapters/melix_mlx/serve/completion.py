@@ -3,7 +3,8 @@
 Rules of this module:
 - `Assembler` is mlx-lm's `APIHandler.handle_completion` loop without the socket: the
   text state machine strips control sequences and splits reasoning, tool calls and
-  text; tool calls are formatted by mlx-lm's `ToolCallFormatter`; the finish reason,
+  text; tool calls are formatted by mlx-lm's `ToolCallFormatter`; reasoning is sent as
+  both `reasoning` (mlx-lm's key) and `reasoning_content`; the finish reason,
   logprobs and usage are mlx-lm's. `feed` takes one generated `Response` and returns the
   stream chunk it makes (or None); `final_chunk` / `whole` close it.
 - The usage carries the request's `speculative` object (melix_mlx.serve.usage) once
@@ -145,8 +146,8 @@ class Assembler:
                 message["content"] = text if text else None
             elif text:
                 message["content"] = text
-            if reasoning:
-                message["reasoning"] = reasoning
+            if reasoning:  # mlx-lm's key, and the one most clients read (vLLM's, DeepSeek's)
+                message["reasoning"] = message["reasoning_content"] = reasoning
             if tool_calls:
                 message["tool_calls"] = tool_calls
             choice[key] = message
