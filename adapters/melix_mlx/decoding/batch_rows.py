@@ -18,6 +18,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import StopSequences
 
+from melix_fsm.stats import GenerationStats
+
 from ..runtime.sampling import SamplingParams
 from ..runtime.token_history import TokenHistory
 
@@ -33,7 +35,7 @@ class MTPResponse:
     prompt_cache: list[Any] | None
     all_tokens: list[int] | None
     from_draft: bool = False
-    stats: dict[str, Any] | None = None
+    stats: GenerationStats | None = None  # on the finishing response: the row's typed statistics
 
 
 @dataclass
