@@ -183,7 +183,7 @@ def test_padded_joint_prefill_equals_each_row_alone(nemotron) -> None:
     from melix_mlx.runtime.prefill import prefill_together, prefill_with_hidden
     from mlx_lm.generate import _merge_caches
 
-    prompts = [[5, 17, 33, 2, 9, 41, 7], [72, 101, 108, 108, 111, 44, 32, 119, 111, 114]]
+    prompts = [[5, 17, 33, 2, 9, 41, 7], [72, 101, 108, 108, 111, 44, 32, 119, 111, 114], [9]]
     worst = {}
     for name, m in zip(("capturing", "mlx-lm"), nemotron, strict=True):
         cache = _merge_caches([make_prompt_cache(m) for _ in prompts])
