@@ -17,7 +17,10 @@ Rules of this script:
 - The regime is recorded. The bandwidth-bound CPU regime is OpenBLAS, one thread:
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \\
       python benchmarks/bench_controlled_acceptance.py --families ernie4_5_moe longcat_flash
-- Output: a table on stderr, one JSON object on stdout.
+- Output: a table on stderr, one JSON object on stdout. `--results FILE` also merges the
+  measured families into FILE (benchmarks/results/controlled-acceptance.json feeds the docs'
+  family table): per family `batch_1` / `batch_<B>` efficiency (null without a calibrated
+  ideal), the cells, the regime and the command line.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import argparse
 import json
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -115,6 +119,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--calibration-tries", type=int, default=5)
+    parser.add_argument("--results", default=None, help="merge the figures into this JSON file")
     parser.add_argument("--hidden", type=int, default=None, help="hidden size of the tiny models")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers of the tiny models")
     args = parser.parse_args()
@@ -145,7 +150,27 @@ def main() -> int:
                 file=sys.stderr,
             )
     print(json.dumps(result))
+    if args.results:
+        _merge(Path(args.results), result, args)
     return 0
+
+
+def _merge(path: Path, result: dict[str, Any], args: argparse.Namespace) -> None:
+    """Add this run's families to the results file (one entry per family, the latest run)."""
+    data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    data["schema"] = "melix-fsm/controlled-acceptance/1"
+    families = data.setdefault("families", {})
+    for family, cells in result["families"].items():
+        families[family] = {
+            "batch_1": cells["single"]["efficiency"],
+            f"batch_{args.batch}": cells[f"batch{args.batch}"]["efficiency"],
+            "p": args.p,
+            "k": args.k,
+            "regime": result["regime"],
+            "command": " ".join(sys.argv),
+            "cells": cells,
+        }
+    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ FAMILIES = ("qwen3_5", "deepseek_v3", "mimo", "glm4_moe", "glm4_moe_lite", "qwen
 FAMILIES += ("ernie4_5_moe", "longcat_flash")
 FAMILIES += ("deepseek_v32", "glm_moe_dsa")
 FAMILIES += ("nemotron_h",)
+FAMILIES += ("bailing_moe_v3", "bailing_hybrid")
 
 
 def register(subparsers: Any) -> None:
