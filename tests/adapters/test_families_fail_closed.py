@@ -85,13 +85,27 @@ def test_a_refusing_receipt_stops_speculation_with_its_reason(tiny_checkpoint, m
     _decoders_follow(model, tokenizer, head, info)
 
 
-@pytest.mark.parametrize("family", ["mimo_v2_flash"])
-def test_families_without_a_head_module_are_refused_typed(tiny_dirs, tmp_path, family):
+def test_families_without_a_head_module_are_refused_typed(tiny_dirs, tmp_path, monkeypatch):
+    """A family the registry refuses (patched: every shipped family now runs) is refused
+    typed by the receipt and by the loader, before any head is built."""
     import json
     import shutil
 
+    from melix_mlx.loading import families as loading_families
     from melix_mlx.loading.errors import UnsupportedModel
 
+    family = "mimo_v2_flash"
+    reg = registry()
+    refused = msgspec.structs.replace(
+        reg.families[family],
+        support=Support.refused,
+        head_module=None,
+        refusal=RefusalReason.unsupported_model,
+        message=f"{family} refused for this test: no head module",
+    )
+    patched = msgspec.structs.replace(reg, families={**reg.families, family: refused})
+    monkeypatch.setattr(resolution, "registry", lambda: patched)
+    monkeypatch.setattr(loading_families, "registry", lambda: patched)
     path = shutil.copytree(tiny_dirs["deepseek_v3"], tmp_path / family)
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "model_type": family}))

@@ -27,12 +27,10 @@ RUNNABLE |= {"ernie4_5_moe", "longcat_flash"}
 RUNNABLE |= {"bailing_moe_v3", "bailing_hybrid"}
 RUNNABLE |= {"deepseek_v32", "glm_moe_dsa"}
 RUNNABLE |= {"nemotron_h"}
+RUNNABLE |= {"mimo_v2_flash", "step3p5", "exaone_moe"}
 REFUSED = {
-    "exaone_moe",
-    "mimo_v2_flash",
     "kimi_k3",
     "longcat_flash_ngram",
-    "step3p5",
     "deepseek_v41",
 }
 

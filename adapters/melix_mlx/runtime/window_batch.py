@@ -56,6 +56,28 @@ class RaggedWindowKVCache(RaggedBatchKVCache):
             out._idx = c._idx
         return out
 
+    @classmethod
+    def from_rows(cls, max_size: int, rows: list[tuple[Any, Any, int]]) -> RaggedWindowKVCache:
+        """Rows (keys, values, offset) whose entries are the last positions before their
+        offset, in order; each row keeps its last `max_size`, right-aligned."""
+        out = cls([0] * len(rows))
+        out.max_size = max_size
+        lengths = [0 if k is None else min(k.shape[2], max_size) for k, _, _ in rows]
+        width = max(lengths)
+        out.offset = mx.array([o for _, _, o in rows])
+        out.left_padding = mx.array([width - n for n in lengths])
+        if width == 0:
+            return out
+        k0, v0 = next((k, v) for k, v, _ in rows if k is not None)
+        keys = mx.zeros((len(rows), k0.shape[1], width, k0.shape[3]), k0.dtype)
+        values = mx.zeros((len(rows), v0.shape[1], width, v0.shape[3]), v0.dtype)
+        for i, ((k, v, _), n) in enumerate(zip(rows, lengths)):
+            if n:
+                keys[i : i + 1, :, width - n :] = k[..., k.shape[2] - n :, :]
+                values[i : i + 1, :, width - n :] = v[..., v.shape[2] - n :, :]
+        out.keys, out.values, out._idx = keys, values, width
+        return out
+
     @property
     def slack(self) -> int:
         return max(SLACK_MIN, self.max_size // 4)

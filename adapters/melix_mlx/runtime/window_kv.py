@@ -13,9 +13,15 @@ Rules of this module:
 - The prompt is prefilled in mlx-lm's own RotatingKVCache (same chunks, same semantics:
   a multi-token chunk sees mlx-lm's window mask); `adopt` then converts each rotating
   leaf, after the prefill's last (single-token) step, into the windowed form.
+- `WindowedKVCache.unevicted(W)` keeps every entry (the window only in the mask): an MTP
+  head's own sliding-window attention, whose cache is trimmed by its chained drafts as
+  well as by rollbacks (melix_mlx.runtime.engine), so nothing it may expose again is ever
+  evicted. Like a head's plain KVCache it holds the whole context.
+- `merge` builds the batch form (melix_mlx.runtime.window_batch.RaggedWindowKVCache) from
+  rows without a kept prefix (a head's windows, a caller's windows); a kept prefix
+  (`keep` > 0, mlx-lm's max_kv_size) has no batch form (spec/rollback.toml).
 - Quantizing a window is refused, as mlx-lm refuses it (`to_quantized` raises
-  NotImplementedError); batch caches are not built from it (the registry refuses a
-  batched rotating cache before weights load).
+  NotImplementedError).
 """
 
 from __future__ import annotations
@@ -33,6 +39,24 @@ class WindowedKVCache(KVCache):
         super().__init__()
         self.max_size, self.keep = max_size, keep
         self.start = keep  # absolute position of the first recent entry
+        self.evicts = True
+
+    @classmethod
+    def unevicted(cls, max_size: int) -> WindowedKVCache:
+        """A window that keeps every entry (an MTP head's windowed attention)."""
+        out = cls(max_size, 0)
+        out.evicts = False
+        return out
+
+    @classmethod
+    def merge(cls, caches: list[Any]) -> Any:
+        """The batch form of window rows (mlx-lm's merge protocol)."""
+        from .window_batch import RaggedWindowKVCache
+
+        if any(c.keep for c in caches):
+            raise ValueError("a window with a kept prefix (keep > 0) has no batch form")
+        rows = [(c.keys, c.values, c.offset) for c in caches]
+        return RaggedWindowKVCache.from_rows(caches[0].max_size, rows)
 
     @classmethod
     def from_rotating(cls, rc: RotatingKVCache) -> WindowedKVCache:
@@ -52,6 +76,8 @@ class WindowedKVCache(KVCache):
 
     def _evict_to(self) -> int:
         """The first recent position any query at or after `offset` can still attend to."""
+        if not self.evicts:
+            return self.start
         return max(self.start, self.offset - (self.max_size - self.keep) + 1)
 
     def _positions(self, start: int, n_new: int) -> mx.array:

@@ -27,7 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import tiny_dsa, tiny_ernie_longcat, tiny_linear, tiny_moe, tiny_nemotron
+from . import tiny_dsa, tiny_ernie_longcat, tiny_linear, tiny_moe, tiny_nemotron, tiny_swa
 from .tiny_layers import Init, lm_head, mlp, qwen3_5_full_attn, qwen3_5_linear_attn
 from .tiny_tokenizer import EOS_TOKEN_ID, VOCAB_SIZE, write_tokenizer
 
@@ -135,6 +135,7 @@ MORE_FAMILIES = ("glm4_moe", "glm4_moe_lite", "qwen3_5_moe", "qwen3_next")
 ALL_FAMILIES = FAMILIES + MORE_FAMILIES + tiny_dsa.FAMILIES + tiny_ernie_longcat.FAMILIES
 ALL_FAMILIES += tiny_linear.FAMILIES
 ALL_FAMILIES += tiny_nemotron.FAMILIES
+ALL_FAMILIES += tiny_swa.FAMILIES
 # the config key each family's head count is written under (``mtp_layers``)
 HEAD_COUNT_KEY = {
     "qwen3_5": "mtp_num_hidden_layers",
@@ -145,20 +146,25 @@ HEAD_COUNT_KEY = {
     "glm4_moe_lite": "num_nextn_predict_layers",
     "mimo": "num_nextn_predict_layers",
 }
-HEAD_COUNT_KEY.update(tiny_linear.HEAD_COUNT_KEY)
 HEAD_COUNT_KEY.update(tiny_dsa.HEAD_COUNT_KEY)
+HEAD_COUNT_KEY.update(tiny_linear.HEAD_COUNT_KEY)
 HEAD_COUNT_KEY.update(tiny_ernie_longcat.HEAD_COUNT_KEY)
 HEAD_COUNT_KEY.update(tiny_nemotron.HEAD_COUNT_KEY)
+HEAD_COUNT_KEY.update(tiny_swa.HEAD_COUNT_KEY)
 
 
 def _config_for(family: str, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict]:
     """Return (config.json dict, the language-model settings dict inside it)."""
-    if family in tiny_linear.CONFIGS:  # flat configs
-        text = copy.deepcopy(tiny_linear.CONFIGS[family])
-        text.update(overrides)
-        return text, text
     if family in tiny_nemotron.CONFIGS:  # flat config
         text = copy.deepcopy(tiny_nemotron.CONFIGS[family])
+        text.update(overrides)
+        return text, text
+    if family in tiny_swa.CONFIGS:  # flat configs
+        text = copy.deepcopy(tiny_swa.CONFIGS[family])
+        text.update(overrides)
+        return text, text
+    if family in tiny_linear.CONFIGS:  # flat configs
+        text = copy.deepcopy(tiny_linear.CONFIGS[family])
         text.update(overrides)
         return text, text
     if family in tiny_dsa.CONFIGS or family in tiny_ernie_longcat.CONFIGS:  # flat configs
@@ -264,10 +270,12 @@ _BUILDERS = {"qwen3_5": _qwen3_5_weights, "mimo": _mimo_weights}
 
 
 def _builder(family: str) -> Any:
-    if family in tiny_linear.BUILDERS:
-        return tiny_linear.BUILDERS[family]
     if family in tiny_nemotron.BUILDERS:
         return tiny_nemotron.BUILDERS[family]
+    if family in tiny_swa.BUILDERS:
+        return tiny_swa.BUILDERS[family]
+    if family in tiny_linear.BUILDERS:
+        return tiny_linear.BUILDERS[family]
     if family in tiny_dsa.BUILDERS:
         return tiny_dsa.BUILDERS[family]
     if family in tiny_ernie_longcat.BUILDERS:

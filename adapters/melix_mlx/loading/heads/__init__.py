@@ -53,15 +53,18 @@ from . import (
     deepseek_v3,
     deepseek_v32,
     ernie4_5_moe,
+    exaone_moe,
     glm4_moe,
     glm4_moe_lite,
     glm_moe_dsa,
     longcat_flash,
     mimo,
+    mimo_v2_flash,
     nemotron_h,
     qwen3_5,
     qwen3_5_moe,
     qwen3_next,
+    step3p5,
 )
 from ._base import MTPHeadBase
 
@@ -73,6 +76,9 @@ FAMILY_MODULES: dict[str, ModuleType] = {
     "glm4_moe": glm4_moe,
     "glm4_moe_lite": glm4_moe_lite,
     "mimo": mimo,
+    "mimo_v2_flash": mimo_v2_flash,
+    "exaone_moe": exaone_moe,
+    "step3p5": step3p5,
     "bailing_moe_v3": bailing_moe_v3,
     "bailing_hybrid": bailing_hybrid,
     "deepseek_v32": deepseek_v32,

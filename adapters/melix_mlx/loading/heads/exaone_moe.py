@@ -1,0 +1,101 @@
+"""EXAONE MoE (K-EXAONE) MTP head: ``fc(cat[pre_fc_norm_embedding(emb),
+pre_fc_norm_hidden(h)])`` -> one dense decoder layer -> ``norm`` -> the main lm_head.
+
+Rules (facts from the published reference, vLLM's exaone_moe_mtp and exaone_moe):
+- Raw keys under ``mtp.`` (mlx-lm's ``sanitize`` drops every key starting ``mtp.``):
+  ``mtp.fc`` [D, 2D], ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``,
+  ``mtp.norm`` and ``mtp.layers.{j}.*`` (``self_attn.{q,k,v,o}_proj``, ``q_norm``,
+  ``k_norm``, ``input_layernorm``, ``post_attention_layernorm``, a dense
+  ``mlp.{gate,up,down}_proj`` of ``intermediate_size``: an MTP layer is never sparse).
+  Embedding and lm_head are the main model's.
+- Norms are plain RMSNorm weights (no +1). Concatenation is embedding first.
+- The head reads the main model's POST-norm hidden (the model's forward returns its
+  final norm's output); the layer's output goes through ``norm``, which is both the
+  lm_head input and what depth k > 1 chains (post-norm).
+- The head layer's attention is full attention without RoPE: released configs say
+  ``mtp_layer_types: ["full_attention"]`` and ``mtp_sliding_windows: [0]``, and a full
+  layer of a model with sliding layers applies no rotary embedding (mlx-lm's
+  ``exaone_moe.Attention`` rule). mlx-lm's ModelArgs does not carry ``mtp_layer_types``,
+  so this module builds that layer: mlx-lm's ``exaone_moe.DecoderLayer`` at an index
+  whose type is full attention and whose MLP is dense. Its cache is a plain KVCache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.exaone_moe import DecoderLayer
+
+from ._base import MTPHeadBase
+
+_PREFIX = "mtp."
+
+
+class MTPHead(MTPHeadBase):
+    FAMILY: ClassVar[str] = "exaone_moe"
+    CHAIN_POST_NORM: ClassVar[bool] = True
+    CONCAT_ORDER: ClassVar[str] = "embedding_first"
+
+    def __init__(self, args: Any, embed_tokens: nn.Module, lm_head: Callable[[mx.array], mx.array]) -> None:
+        super().__init__(embed_tokens, lm_head)
+        d, eps = args.hidden_size, args.rms_norm_eps
+        self.pre_fc_norm_embedding = nn.RMSNorm(d, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(d, eps=eps)
+        self.fc = nn.Linear(2 * d, d, bias=False)
+        self.layers = [self._make_layer(args)]
+        self.norm = nn.RMSNorm(d, eps=eps)
+
+    @staticmethod
+    def _make_layer(args: Any) -> nn.Module:
+        # index 0 of a layer list led by the head's own (full, dense) entry; the main
+        # model's types follow, so "does the model have sliding layers" reads as upstream
+        head_args = dataclasses.replace(
+            args,
+            layer_types=["full_attention", *args.layer_types],
+            is_moe_layer=[False, *args.is_moe_layer],
+        )
+        return DecoderLayer(head_args, 0)
+
+    def trunk(
+        self,
+        hidden: mx.array,
+        next_tokens: mx.array,
+        cache: list[Any] | None = None,
+        mask: Any = None,
+    ) -> mx.array:
+        e = self.pre_fc_norm_embedding(self.embed(next_tokens))
+        h = self.pre_fc_norm_hidden(hidden)
+        x = self.fc(mx.concatenate([e, h], axis=-1))
+        c = self._first(cache)
+        if mask is None:
+            mask = create_attention_mask(x, c)
+        x = self.layers[0](x, mask, c)
+        return self.norm(x)  # post-norm: the lm_head input, chained as is
+
+    def logits(self, head_hidden: mx.array) -> mx.array:
+        return self.main_lm_head(head_hidden)
+
+
+def is_head_key(key: str, config: dict[str, Any]) -> bool:
+    return key.startswith(_PREFIX)
+
+
+def from_hf(raw: dict[str, mx.array], config: dict[str, Any], layer: int = 0) -> dict:
+    """Map raw HF head tensors of MTP layer ``layer`` to ``MTPHead`` parameter names."""
+    out: dict[str, mx.array] = {}
+    for key, value in raw.items():
+        if not key.startswith(_PREFIX) or "rotary_emb.inv_freq" in key:
+            continue
+        name = key[len(_PREFIX) :]
+        if name.startswith("layers."):
+            idx, _, rest = name[len("layers.") :].partition(".")
+            if int(idx) != layer:
+                continue  # one MTP layer per head module
+            name = f"layers.0.{rest}"
+        out[name] = value
+    return out

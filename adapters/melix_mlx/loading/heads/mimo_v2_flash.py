@@ -1,0 +1,100 @@
+"""MiMo-V2-Flash MTP head: ``eh_proj(cat[enorm(emb), hnorm(h)])`` -> sliding-window
+decoder layer -> ``final_layernorm`` -> the main lm_head.
+
+Rules (facts from the published reference, vLLM's mimo_v2_mtp):
+- Raw keys: ``model.mtp.layers.{j}.*`` (mlx-lm's ``sanitize`` drops every key starting
+  ``model.mtp``): ``enorm``, ``hnorm``, ``eh_proj`` [D, 2D], ``input_layernorm``,
+  ``self_attn.{q,k,v,o}_proj`` (+ ``attention_sink_bias`` when the config's
+  ``add_swa_attention_sink_bias``), ``pre_mlp_layernorm``, a dense
+  ``mlp.{gate,up,down}_proj`` of ``intermediate_size`` and ``final_layernorm``. fp8
+  checkpoints carry ``*.weight_scale_inv`` block scales, dequantized here as mlx-lm
+  dequantizes the main layers. No embedding or lm_head of its own: the main ones are
+  shared.
+- Norms are plain RMSNorm weights (no +1), eps ``layernorm_epsilon``.
+- Concatenation is embedding first. The head reads the main model's POST-norm hidden
+  (the model's forward returns its final norm's output).
+- The attention is the sliding-window configuration (``swa_*`` heads and dims,
+  ``swa_rope_theta``, partial RoPE, value scale, sink bias), windowed at
+  ``sliding_window_size``: mlx-lm's ``mimo_v2_flash.DecoderLayer`` built as a sliding
+  layer (``post_attention_layernorm`` there is ``pre_mlp_layernorm`` here). Its cache is
+  a window that evicts nothing (melix_mlx.runtime.window_kv ``unevicted``), so the chained
+  drafts and rollbacks trim it exactly, and batches merge it into the batch window form.
+- The layer returns ``final_layernorm``'s output, which is both the lm_head input and
+  what depth k > 1 chains (post-norm). Released configs write no head count: one head
+  layer is read (vLLM drives layer 0 for every depth too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.mimo_v2_flash import DecoderLayer
+
+from ...runtime.window_kv import WindowedKVCache
+from ._base import MTPHeadBase
+from .deepseek_v3 import _dequant_fp8
+
+_PREFIX = "model.mtp.layers."
+_OWN = ("enorm.", "hnorm.", "eh_proj.", "final_layernorm.")
+_RENAME = {"pre_mlp_layernorm.": "post_attention_layernorm."}
+
+
+class MTPHead(MTPHeadBase):
+    FAMILY: ClassVar[str] = "mimo_v2_flash"
+    CHAIN_POST_NORM: ClassVar[bool] = True
+    CONCAT_ORDER: ClassVar[str] = "embedding_first"
+
+    def __init__(self, args: Any, embed_tokens: nn.Module, lm_head: Callable[[mx.array], mx.array]) -> None:
+        super().__init__(embed_tokens, lm_head)
+        d, eps = args.hidden_size, args.layernorm_epsilon
+        self.window = args.sliding_window_size
+        self.enorm = nn.RMSNorm(d, eps=eps)
+        self.hnorm = nn.RMSNorm(d, eps=eps)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.block = DecoderLayer(args, is_moe=False, is_sliding_window=True)
+        self.final_layernorm = nn.RMSNorm(d, eps=eps)
+
+    def make_cache(self) -> list[Any]:
+        return [WindowedKVCache.unevicted(self.window)]
+
+    def trunk(
+        self,
+        hidden: mx.array,
+        next_tokens: mx.array,
+        cache: list[Any] | None = None,
+        mask: Any = None,
+    ) -> mx.array:
+        e = self.enorm(self.embed(next_tokens))
+        h = self.hnorm(hidden)
+        x = self.eh_proj(mx.concatenate([e, h], axis=-1))
+        c = self._first(cache)
+        if mask is None:
+            mask = create_attention_mask(x, c, window_size=self.window)
+        x = self.block(x, mask, c)
+        return self.final_layernorm(x)  # post-norm: the lm_head input, chained as is
+
+    def logits(self, head_hidden: mx.array) -> mx.array:
+        return self.main_lm_head(head_hidden)
+
+
+def is_head_key(key: str, config: dict[str, Any]) -> bool:
+    return key.startswith("model.mtp.")
+
+
+def from_hf(raw: dict[str, mx.array], config: dict[str, Any], layer: int = 0) -> dict:
+    """Map raw HF tensors of MTP layer ``layer`` to ``MTPHead`` parameter names."""
+    prefix = f"{_PREFIX}{layer}."
+    w: dict[str, mx.array] = {}
+    for key, value in raw.items():
+        if not key.startswith(prefix) or "rotary_emb.inv_freq" in key:
+            continue
+        name = key[len(prefix) :]
+        for old, new in _RENAME.items():
+            if name.startswith(old):
+                name = new + name[len(old) :]
+        w[name if name.startswith(_OWN) else f"block.{name}"] = value
+    return _dequant_fp8(w)

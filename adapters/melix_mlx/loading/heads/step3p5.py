@@ -1,0 +1,164 @@
+"""Step-3.5 MTP head: ``eh_proj(cat[enorm(emb), hnorm(h)])`` -> sliding-window dense
+decoder layer -> ``shared_head.norm`` -> ``shared_head`` output projection.
+
+Rules (facts from the published reference, vLLM's step3p5_mtp and step3p5):
+- Raw keys: ``model.layers.{num_hidden_layers + j}.*`` (mlx-lm's ``sanitize`` drops
+  every layer at or past ``num_hidden_layers``, and any ``.mtp`` key): ``enorm``,
+  ``hnorm``, ``eh_proj`` [D, 2D], ``shared_head.norm``, ``shared_head.output`` (the
+  head's own [V, D] projection), and the decoder layer (``self_attn.*`` with ``g_proj``
+  and q/k norms, ``input_layernorm``, ``post_attention_layernorm``, a dense ``mlp``),
+  possibly under a ``transformer.`` infix that is dropped. A per-layer
+  ``embed_tokens`` copy is not loaded: the main embedding is shared.
+- Every norm is zero-centred: HF stores w, the model computes with 1 + w (vLLM's
+  GemmaRMSNorm; mlx-lm adds 1 in ``sanitize``): ``from_hf`` adds 1 exactly once.
+- Concatenation is embedding first. The layer is the decoder layer of index
+  ``num_hidden_layers + j``: its config entries (``layer_types``, ``rope_theta``,
+  ``partial_rotary_factors``, ``swiglu_limits_shared``) are sized over the decoder plus
+  the MTP layers, released as sliding-window attention with a dense MLP (mlx-lm's
+  ``Step3p5DecoderLayer`` at that index; a multi-layer checkpoint builds each of its
+  layers at the first MTP index). A sliding head layer's cache is a window that evicts
+  nothing (melix_mlx.runtime.window_kv ``unevicted``).
+- The head reads the main model's PRE-norm hidden (its forward returns the last layer's
+  output; the final norm is applied with the lm_head), and chains its own pre-norm layer
+  output, normalised by ``shared_head.norm`` only for logits. The engine hands heads the
+  main model's post-norm hidden H = rms(x) * w_f, so this head works in that form:
+  ``hnorm(x)`` = rms(x) * w_h = H * (w_h / w_f) exactly (the same eps), it returns the
+  layer output o as rms(o) * w_f (what chains) and its logits normalise that with
+  w_sh / w_f. w_f is the main model's final norm, held by reference; an exact zero in it
+  would lose that coordinate (no released checkpoint has one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.step3p5 import Step3p5DecoderLayer, ZeroCenteredRMSNorm
+
+from ...runtime.window_kv import WindowedKVCache
+from ._base import MTPHeadBase
+
+_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
+_DROP = ("embed_tokens.", "rotary_emb.inv_freq")
+# mlx-lm's sanitize names for the packed MoE form, should a config make the layer sparse
+_REMAP = (
+    ("moe.gate_proj.", "mlp.switch_mlp.gate_proj."),
+    ("moe.up_proj.", "mlp.switch_mlp.up_proj."),
+    ("moe.down_proj.", "mlp.switch_mlp.down_proj."),
+    ("moe.gate.", "mlp.gate.gate."),
+    ("moe.router_bias", "mlp.gate.router_bias"),
+    ("share_expert.", "mlp.share_expert."),
+)
+
+
+class _MainNorm:
+    """Plain holder: the main model's final norm stays out of the head's parameters."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        self.norm = norm
+
+
+class _SharedHead(nn.Module):
+    def __init__(self, dim: int, vocab: int, eps: float, own_lm_head: bool) -> None:
+        super().__init__()
+        self.norm = ZeroCenteredRMSNorm(dim, eps=eps)
+        if own_lm_head:
+            self.head = nn.Linear(dim, vocab, bias=False)
+
+
+class MTPHead(MTPHeadBase):
+    FAMILY: ClassVar[str] = "step3p5"
+    CHAIN_POST_NORM: ClassVar[bool] = False
+    CONCAT_ORDER: ClassVar[str] = "embedding_first"
+    HAS_OWN_LM_HEAD: ClassVar[bool] = True  # shared_head.output
+
+    def __init__(
+        self,
+        args: Any,
+        embed_tokens: nn.Module,
+        lm_head: Callable[[mx.array], mx.array],
+        own_lm_head: bool = True,
+        main_norm: nn.Module | None = None,
+    ) -> None:
+        super().__init__(embed_tokens, lm_head)
+        d, eps = args.hidden_size, args.rms_norm_eps
+        if main_norm is None:
+            raise ValueError("the step3p5 head needs the main model's final norm (MTPHead.from_model)")
+        self.own_lm_head = own_lm_head
+        self.eps = eps
+        self.enorm = ZeroCenteredRMSNorm(d, eps=eps)
+        self.hnorm = ZeroCenteredRMSNorm(d, eps=eps)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.block = Step3p5DecoderLayer(args, args.num_hidden_layers)
+        self.window = args.sliding_window if self.block.is_sliding else None
+        self.shared_head = _SharedHead(d, args.vocab_size, eps, own_lm_head)
+        self._main = _MainNorm(main_norm)
+
+    @classmethod
+    def from_model(cls, model: nn.Module, *, own_lm_head: bool = False) -> MTPHead:
+        from ...runtime.hidden import main_parts
+
+        parts = main_parts(model)
+        return cls(
+            parts.args, parts.embed_tokens, parts.lm_head, own_lm_head=own_lm_head, main_norm=parts.inner.norm
+        )
+
+    def make_cache(self) -> list[Any]:
+        return [KVCache() if self.window is None else WindowedKVCache.unevicted(self.window)]
+
+    def trunk(
+        self,
+        hidden: mx.array,
+        next_tokens: mx.array,
+        cache: list[Any] | None = None,
+        mask: Any = None,
+    ) -> mx.array:
+        final = self._main.norm.weight
+        e = self.enorm(self.embed(next_tokens))
+        h = hidden * (self.hnorm.weight / final)  # hnorm of the pre-norm hidden (module rules)
+        x = self.eh_proj(mx.concatenate([e, h], axis=-1))
+        c = self._first(cache)
+        if mask is None:
+            mask = create_attention_mask(x, c, window_size=self.window)
+        out = self.block(x, mask=mask, cache=c)
+        return mx.fast.rms_norm(out, final, self.eps)  # the main model's form: what chains
+
+    def logits(self, head_hidden: mx.array) -> mx.array:
+        normed = head_hidden * (self.shared_head.norm.weight / self._main.norm.weight)
+        return self.shared_head.head(normed) if self.own_lm_head else self.main_lm_head(normed)
+
+
+def _head_index(key: str, config: dict[str, Any]) -> int | None:
+    if not key.startswith("model.layers."):
+        return None
+    idx = key.split(".", 3)[2]
+    return int(idx) if idx.isdigit() and int(idx) >= int(config["num_hidden_layers"]) else None
+
+
+def is_head_key(key: str, config: dict[str, Any]) -> bool:
+    return _head_index(key, config) is not None
+
+
+def from_hf(raw: dict[str, mx.array], config: dict[str, Any], layer: int = 0) -> dict:
+    """Map raw HF tensors of MTP layer ``layer`` to ``MTPHead`` names, repairing (1+w) norms."""
+    prefix = f"model.layers.{int(config['num_hidden_layers']) + layer}."
+    out: dict[str, mx.array] = {}
+    for key, value in raw.items():
+        if not key.startswith(prefix):
+            continue
+        name = key[len(prefix) :].replace("transformer.", "", 1)
+        if any(d in name for d in _DROP):
+            continue
+        name = name.replace("shared_head.output.", "shared_head.head.")
+        for old, new in _REMAP:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        if value.ndim == 1 and name.endswith("norm.weight"):
+            value = value + 1.0
+        out[name if name.startswith(_OWN) else f"block.{name}"] = value
+    return out
