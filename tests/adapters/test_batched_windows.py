@@ -9,7 +9,8 @@ KVCache, and the draft-model method (or a scripted head) speculates on it. What 
 - MTPBatchGenerator's greedy tokens equal mlx-lm's (its single-sequence decode and its
   BatchGenerator) for rows at k = 1, 2, 3 whose prompts and outputs cross the window many
   times, with a scripted head wrong every third draft (rollbacks) and a real draft model,
-  a late joiner, a removed row, and compactions during the run;
+  a late joiner, a removed row, and compactions during the run; rows decoding plainly
+  keep the window bounded (compacted between plain steps);
 - after rejecting cycles every row's caches equal a clean single-sequence run fed only
   its confirmed tokens (float32 rounding of batched matmuls allowed).
 """
@@ -215,4 +216,24 @@ def test_rows_caches_after_rejections_equal_a_clean_run(models) -> None:
             assert k_mine.shape == k_theirs.shape
             assert mx.abs(k_mine - k_theirs).max().item() < TOLERANCE
             assert mx.abs(v_mine - v_theirs).max().item() < TOLERANCE
+    gen.close()
+
+
+def test_plain_steps_keep_the_window_bounded(models, monkeypatch) -> None:
+    """Rows that decode plainly (here: refused) grow the windows one column per step; the
+    step pipeline pauses its run-ahead once a compaction is due, so they stay bounded, and
+    the tokens stay mlx-lm's."""
+    target = models["target"]
+    widths: list[int] = []
+    compact = RaggedWindowKVCache.compact
+    monkeypatch.setattr(RaggedWindowKVCache, "compact", lambda c: widths.append(c._idx) or compact(c))
+    gen = MTPBatchGenerator(
+        target, DraftHead(models["draft"]), max_tokens=N, refusal="unsupported_model: plain here"
+    )
+    uids = gen.insert(PROMPTS)
+    out, _ = _drain(gen)
+    assert [out[u] for u in uids] == [reference(target, p, N) for p in PROMPTS]
+    assert gen.speculative_stats()["cycles"] == 0
+    slack = max(window_batch.SLACK_MIN, WINDOW // 4)  # RaggedWindowKVCache.slack
+    assert widths and max(widths) <= WINDOW + slack + 1
     gen.close()
