@@ -16,6 +16,8 @@
   equals a clean run fed only the confirmed tokens one at a time, with no replay forward;
 - a converted directory gives the identical head; a 4-bit converted checkpoint keeps
   identity, and so does mlx-lm's 4-bit quantized KV cache on the attention layers;
+- bfloat16 and float16 weights keep identity, single and batched (dense layers: mlx's CPU
+  gather matmul, which MoE layers need, runs in float32 only);
 - (slow) sampled decoding draws the target's joint of the first two tokens (G-test);
 - a Mamba sub-layer in the head, or tensors that contradict the config's pattern, are
   typed errors.
@@ -327,3 +329,27 @@ def test_sampled_joint_of_first_two_tokens(tiny_checkpoint):
     assert len(joint) == 16 and set(counts) <= set(joint)
     assert totals["accepted"] > 100 and totals["rejected"] > 100
     assert g_test(counts, joint) > ALPHA
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_identity(tiny_checkpoint, dtype):
+    """Half-precision weights (the conv window in the model's dtype, the SSM state in
+    float32, as mlx-lm keeps them), single and batched. Dense MLP layers here: mlx's CPU
+    gather matmul, which MoE layers use, runs in float32 only (mlx-lm's own decode fails)."""
+    path = tiny_checkpoint(
+        FAMILY, dtype=dtype, hybrid_override_pattern="M-M*-M", mtp_hybrid_override_pattern="*-"
+    )
+    model, _, head, _ = load_with_heads(path)
+    assert [layer.block_type for layer in head.layers] == ["*", "-"]
+    refs = [reference(model, p, N) for p in PROMPTS]
+    for k in (1, 3):
+        assert mtp(model, head, PROMPTS[2], N, k)[0] == refs[2]
+    gen = MTPBatchGenerator(model, head, max_tokens=N)
+    uids = gen.insert(PROMPTS, num_draft_tokens=[1, 2, 3])
+    out: dict[int, list[int]] = {u: [] for u in uids}
+    for _ in range(200):
+        if not (gen.batch.uids or gen._queue):
+            break
+        for r in gen.next()[1]:
+            out[r.uid].append(r.token)
+    assert [out[u] for u in uids] == refs
