@@ -17,12 +17,15 @@ On a tiny checkpoint written in each family's Hugging Face layout, with ``index_
   joiner, a removed row);
 - after rejecting cycles the main cache (both parts of every layer's CacheList) equals
   a clean run fed only the confirmed tokens, bit for bit, with no replay forward;
-- 4-bit weights keep identity; a quantized KV cache is refused typed (latent attention).
+- 4-bit weights keep identity; a quantized KV cache is refused typed (latent attention);
+- sampled decoding draws the first two tokens from the target's exact joint (G-test as in
+  test_decode_sampling; marked slow: ~150 s a family here).
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
@@ -30,17 +33,20 @@ import mlx_lm
 import pytest
 from decode_refs import mtp, reference
 from melix_mlx.batch_generator import MTPBatchGenerator
+from melix_mlx.decode import MTPDecoder
 from melix_mlx.loading import load_with_heads, safetensors_keys
 from melix_mlx.loading.convert import convert
 from melix_mlx.loading.heads import HEAD_CLASSES
 from melix_mlx.runtime import absorbed_mla, dsa, ragged_kv, rollback
 from melix_mlx.runtime.hidden import forward_with_hidden, main_parts
+from melix_mlx.runtime.sampling import make_sampler, normalize_logits, params_of, probabilities
 from melix_mlx.tools.tiny_dsa import FAMILIES
 from melix_mlx.tools.tiny_tokenizer import VOCAB_SIZE
 from mlx_lm.generate import _merge_caches
 from mlx_lm.models.cache import CacheList, make_prompt_cache
 from scripted_head import ScriptedHead
 from test_decode_rollback import CYCLES, PROMPT, clean_cache, max_diff, run_cycles
+from test_decode_sampling import ALPHA, SAMPLES, g_test
 
 from melix_fsm.config import speculative_config
 from melix_fsm.reasons import RefusalReason
@@ -389,3 +395,42 @@ def test_quantized_kv_cache_is_refused_typed(dsa_heads, family):
     assert receipt.mode is Mode.refused and receipt.refusal_reason is RefusalReason.unsupported_quantization
     plain = resolve(path, speculative_config())
     assert plain.mode is Mode.accepted and [c.kind for c in plain.caches] == ["kv"]
+
+
+# -- sampling ---------------------------------------------------------------------------------
+SAMPLED_PROMPT = LONG[:8]  # the first cycle's verify runs past index_topk
+
+
+@pytest.mark.slow  # ~150 s a family on the 2-core CI machine
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sampled_tokens_follow_the_targets_joint(dsa_heads, family):
+    """temp 1, top_k 4: the first two tokens (prefill, then one k = 1 cycle whose verify
+    selects keys) are drawn from the target's exact joint (G-test, alpha 1e-3)."""
+    model = dsa_heads[family][1]
+    sampler = make_sampler(temp=1.0, top_k=4)
+    params = params_of(sampler)
+
+    def dist(tokens: list[int]) -> mx.array:
+        return probabilities(normalize_logits(model(mx.array([tokens]))[0, -1]), params)
+
+    p1 = dist(SAMPLED_PROMPT)
+    joint: dict[tuple[int, int], float] = {}
+    scripts = []
+    for t1 in (t for t in range(VOCAB_SIZE) if p1[t].item() > 0):
+        p2 = dist(SAMPLED_PROMPT + [t1])
+        joint.update(
+            {(t1, t2): p1[t1].item() * p2[t2].item() for t2 in range(VOCAB_SIZE) if p2[t2].item() > 0}
+        )
+        scripts.append(SAMPLED_PROMPT + [t1, int(mx.argmax(p2).item())])
+    head = ScriptedHead(scripts, VOCAB_SIZE, main_parts(model).args.hidden_size, confidence=2.0)
+    mx.random.seed(20261206)
+    counts: Counter = Counter()
+    totals: Counter = Counter()
+    for _ in range(SAMPLES):
+        decoder = MTPDecoder(model, head, num_draft_tokens=1, sampler=sampler)
+        t1, t2 = (t for t, _, _ in decoder.generate(mx.array(SAMPLED_PROMPT), 2))
+        counts[(t1, t2)] += 1
+        totals.update({"accepted": decoder.stats["accepted"], "rejected": decoder.stats["rejected"]})
+    assert set(counts) <= set(joint)
+    assert totals["accepted"] > SAMPLES // 10 and totals["rejected"] > SAMPLES // 10
+    assert g_test(counts, joint) > ALPHA
