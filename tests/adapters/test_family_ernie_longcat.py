@@ -39,6 +39,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from scripted_head import ScriptedHead
 from test_decode_rollback import CYCLES, PROMPT, clean_cache, max_diff, run_cycles
 
+from melix_fsm.reasons import RefusalReason
 from melix_fsm.receipt import resolve
 
 N = 14
@@ -272,3 +273,25 @@ def test_4bit_identity(loaded, family, tmp_path):
             assert got == want and decoder.stats["accepted"] > 0
             rollbacks += decoder.stats["rollbacks"]
     assert rollbacks > 0  # the scripted head's wrong drafts were rolled back
+
+
+def test_ernie_quantized_kv_cache_identity(tiny_checkpoint):
+    """ERNIE's plain KV layers run on mlx-lm's QuantizedKVCache (single sequence) exactly;
+    LongCat's latent caches cannot be quantized (its receipt refuses kv_bits)."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from melix_fsm.receipt import ServingContext
+
+    model, _, head, _ = load_with_heads(tiny_checkpoint("ernie4_5_moe", head_dim=32))
+    kw = {"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 0}
+    want = reference(model, PROMPTS[2], N, **kw)
+    scripted = ScriptedHead(
+        [PROMPTS[2] + reference(model, PROMPTS[2], N + 4, **kw)], VOCAB_SIZE, 64, wrong_every=3
+    )
+    for drafter in (head, scripted):
+        for k in (1, 2):
+            got, decoder = mtp(model, drafter, PROMPTS[2], N, k, **kw)
+            assert got == want
+            assert any(isinstance(c, QuantizedKVCache) for c in decoder.cache)
+    receipt = resolve(tiny_checkpoint("longcat_flash"), context=ServingContext(quantized_kv=True))
+    assert receipt.mode != "accepted" and receipt.refusal_reason is RefusalReason.unsupported_quantization
