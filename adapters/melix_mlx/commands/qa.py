@@ -28,6 +28,8 @@ Rules of this module:
   near-ties are counted and reported (rate per 1,000 tokens, histogram), anything else
   is a bug. `--exact` makes every differing token a bug (for a regime known to be
   bit-exact); a `--reference` decoder has no logits, so it is compared exactly.
+- `--dtype` casts the loaded model (and head) before anything runs: a factory that
+  takes `model` gets the cast one; one that loads its own from `checkpoint` does not.
 - Progress goes to stderr (melix_mlx.tools.qa.progress); `--quiet` silences it.
 """
 
@@ -59,6 +61,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument("target", metavar="TARGET", help="mlx-lm, melix, or package.module:factory")
     parser.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory or embedded name")
     parser.add_argument("--profile", choices=sorted(PROFILES), default="quick")
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "float16", "bfloat16"),
+        default="auto",
+        help="cast the loaded model (and head) before the run (default: as stored)",
+    )
     parser.add_argument("--seed", type=int, default=None, metavar="S")
     parser.add_argument(
         "--temperature", type=float, default=1.0, metavar="T", help="0 skips the distribution"
@@ -168,6 +176,12 @@ def _run(args: argparse.Namespace) -> int:
         target = resolve_target(args.target)
         checkpoint = str(checkpoint_dir(args.model))
         model, head = load_model(args.model, needs_head=target.needs_head)
+        if args.dtype != "auto":  # the reference decodes the same cast model object
+            import mlx.core as mx
+
+            for module in (model, head):
+                if module is not None:
+                    module.set_dtype(getattr(mx, args.dtype))
         reference = _reference(args.reference, model)
     except TargetError as exc:
         return _usage(str(exc))
@@ -223,6 +237,7 @@ def _hunt(
     settings = {
         "target": target.name,
         "model": str(args.model),
+        "dtype": args.dtype,
         "surface": args.surface,
         "profile": args.profile,
         "seed": seed,
