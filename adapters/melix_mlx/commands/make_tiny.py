@@ -20,6 +20,7 @@ FAMILIES += ("ernie4_5_moe", "longcat_flash")
 FAMILIES += ("deepseek_v32", "glm_moe_dsa")
 FAMILIES += ("nemotron_h",)
 FAMILIES += ("bailing_moe_v3", "bailing_hybrid")
+FAMILIES += ("mimo_v2_flash", "step3p5", "exaone_moe")
 
 
 def register(subparsers: Any) -> None:
