@@ -286,6 +286,11 @@ def test_4bit_identity(loaded, tmp_path):
             assert got == want and decoder.stats["accepted"] > 0
             rollbacks += decoder.stats["rollbacks"]
     assert rollbacks > 0  # the scripted head's wrong drafts were rolled back
+    # the head quantized too: its sub-layers are read from the quantized tensors
+    out = convert(loaded[0], tmp_path / "q4-head", quantize=True, q_group_size=32, quantize_head=True)
+    model, _, head, info = load_with_heads(out)
+    assert info.head_quantized and [layer.block_type for layer in head.layers] == ["*", "E"]
+    assert mtp(model, head, PROMPTS[2], N, 2)[0] == reference(model, PROMPTS[2], N)
 
 
 def test_quantized_kv_cache_identity(tiny_checkpoint):
