@@ -46,6 +46,7 @@ LogitsOf = Callable[[tuple[int, ...]], Sequence[float]]
 
 EPS = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 DEFAULT_ULPS = 8.0
+CACHE_CONTEXTS = 64  # logit rows a judge keeps (a replay meets the same divergences again)
 NEAR_TIE, BUG = "near_tie", "bug"
 # histogram bins of gap / scale (ulps of the largest logit): the first four are near-ties
 # at the default bound, the rest bugs
@@ -200,6 +201,8 @@ class DivergenceJudge:
 
     def _logits(self, context: tuple[int, ...]) -> tuple[float, float, float, Sequence[float]]:
         if context not in self._cache:
+            if len(self._cache) >= CACHE_CONTEXTS:  # whole logit rows: keep memory bounded
+                self._cache.clear()
             z = [float(v) for v in self.logits_of(context)]
             if len(z) < 2:
                 raise ValueError(f"logits_of returned {len(z)} logits; the contract needs the whole row")
