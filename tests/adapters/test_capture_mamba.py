@@ -22,6 +22,7 @@ import mlx.core as mx
 import pytest
 from melix_mlx.loading import load_with_heads
 from melix_mlx.runtime import capture
+from melix_mlx.runtime.cache_leaves import ARMED
 from melix_mlx.runtime.capture_mamba import CapturingMamba2Mixer
 from melix_mlx.runtime.hidden import forward_with_hidden
 from mlx.utils import tree_flatten
@@ -138,14 +139,14 @@ def test_masked_block_equals_the_mixer_per_position(nemotron) -> None:
     armed, plain = ArraysCache(2), ArraysCache(2)
     for c in (armed, plain):
         c[0], c[1] = window, state
-    setattr(armed, capture._ARMED, [])
+    setattr(armed, ARMED, [])
     got = layer(x, mask, armed)
     want, want_steps = [], []
     for t in range(length):
         want.append(NemotronHMamba2Mixer.__call__(layer, x[:, t : t + 1], mask[:, t : t + 1], plain))
         want_steps.append(tuple(plain.cache))
     assert mx.array_equal(got, mx.concatenate(want, axis=1)).item()
-    recorded = getattr(armed, capture._ARMED)
+    recorded = getattr(armed, ARMED)
     assert len(recorded) == length
     for (w, s), (ww, ws) in zip(recorded, want_steps, strict=True):
         assert mx.array_equal(w, ww).item() and mx.array_equal(s, ws).item()
@@ -162,7 +163,7 @@ def test_install_keeps_parameters_and_is_idempotent(tiny_checkpoint) -> None:
     assert all(type(m) is CapturingMamba2Mixer for m in capture._recurrent_layers(model))
     assert capture.supported(model, cache)
     forward_with_hidden(model, mx.array([[3]]), cache)  # unarmed: nothing recorded
-    assert not any(hasattr(c, capture._ARMED) for c in cache)
+    assert not any(hasattr(c, ARMED) for c in cache)
 
 
 def test_armed_cache_with_lengths_is_refused(nemotron) -> None:

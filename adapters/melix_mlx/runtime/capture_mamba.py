@@ -4,9 +4,10 @@ Rules of this module:
 - Same contract as melix_mlx.runtime.capture (whose registry, `CAPTURING`, lists the
   class here): the capturing mixer is a subclass of mlx-lm's `NemotronHMamba2Mixer`,
   installed on the loaded model's instances, adding no parameters; unarmed it is
-  mlx-lm's `__call__` unchanged; armed (its ArraysCache leaf carries the steps list) it
-  records the leaf's two arrays, (convolution window, SSM state), after every verified
-  position, so rollback selects each row's state at its accepted length with no replay.
+  mlx-lm's `__call__` (one exception: the last rule); armed (its ArraysCache leaf carries
+  the steps list) it records the leaf's two arrays, (convolution window, SSM state),
+  after every verified position, so rollback selects each row's state at its accepted
+  length with no replay.
 - What mlx-lm computes: its mixer runs the state-space update through `ssm_update`, which
   for a block of more than one token (and, without a Metal device, for every block) is
   the chunked SSD form `ssm_attn`, and for one token with a state on a Metal device is
@@ -44,11 +45,11 @@ import mlx.core as mx
 from mlx_lm.models import nemotron_h
 from mlx_lm.models.ssm import ssm_update
 
+from .cache_leaves import ARMED  # the one attribute name every capturing layer records into
+
 
 def _armed_steps(cache: Any) -> list | None:
-    from .capture import _ARMED  # the one attribute name every capturing layer records into
-
-    return getattr(cache, _ARMED, None) if cache is not None else None
+    return getattr(cache, ARMED, None) if cache is not None else None
 
 
 class CapturingMamba2Mixer(nemotron_h.NemotronHMamba2Mixer):
