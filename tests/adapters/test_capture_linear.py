@@ -8,6 +8,8 @@ primed with a prompt, for blocks of 1..4 tokens and two rows:
 - the gated-delta kinds (Ling V3 KDA, Kimi K3) also equal mlx-lm's own block call bit for
   bit on this CPU; Ling 2.5's lightning layer, which mlx-lm runs in a chunked form for
   blocks, agrees with that form within 1e-5 (float32 rounding of two arithmetic orders);
+- the Ling V3 recurrence's two forms (ops step per position / mlx-lm's update per
+  position, the Metal form) agree bit for bit on this CPU;
 - the state `capture.select` picks after n positions, per row (rows keep different
   lengths), equals the state of a cache fed only those n tokens, bit for bit, and
   selecting one position too many is visible;
@@ -155,6 +157,25 @@ def test_selected_state_equals_a_cache_fed_only_the_kept_tokens(kind: Kind) -> N
         assert _diff(got, [c[row : row + 1] for c in clean.cache]) == 0.0, (kind.name, row)
         kind.call(block[:, n : n + 1], clean, PROMPT_LEN + n)  # one position too many
         assert _diff(got, [c[row : row + 1] for c in clean.cache]) > 0.0, (kind.name, row)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_both_kda_recurrence_forms_agree(monkeypatch, masked: bool) -> None:
+    """The Ling V3 recurrence has two forms: mlx-lm's ops step with the gates built once per
+    block (no Metal device) and mlx-lm's `gated_delta_update` once per position (its kernel
+    on Metal). On this CPU both run mlx-lm's ops: outputs and states equal bit for bit."""
+    layer = Kind("bailing_moe_v3").layer
+    rows, length, heads, dim = 2, 3, layer.num_heads, layer.head_dim
+    keys = iter(mx.random.split(mx.random.key(7), 6))
+    q, k, v, gate = (mx.random.normal((rows, length, heads, dim), key=next(keys)) for _ in range(4))
+    b = mx.random.normal((rows, length, heads), key=next(keys))
+    state = mx.random.normal((rows, heads, dim, dim), key=next(keys))
+    mask = mx.array([[True] * length, [False] + [True] * (length - 1)]) if masked else None
+    ops = capture_linear._kda_recurrence(layer, q, k, v, gate, b, state, mask)
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    per = capture_linear._kda_recurrence(layer, q, k, v, gate, b, state, mask)
+    for x, y in zip(ops[0] + ops[1], per[0] + per[1], strict=True):
+        assert x.shape == y.shape and mx.array_equal(x, y).item()
 
 
 def test_unarmed_layer_is_mlx_lms_and_records_nothing(kind: Kind) -> None:
