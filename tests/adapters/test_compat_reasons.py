@@ -95,10 +95,11 @@ def _decoder_refusal(**kw) -> RefusalReason | None:
     return reason_of(decoder.stats["refusal"])
 
 
-def _batched_window(tmp: Path) -> RefusalReason | None:
-    """A target whose layer_types window a layer (mlx-lm's llama), drafted for, in a batch."""
+def _windowed_draft(tmp: Path) -> RefusalReason | None:
+    """A draft model whose layer_types window a layer (mlx-lm's llama): in the head slot
+    only trimmable KV caches roll back (a windowed target batches: test_batched_windows.py)."""
     layers = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}
-    target, draft = make_llama(tmp / "swa", **layers), make_llama(tmp / "draft", seed=2)
+    target, draft = make_llama(tmp / "target"), make_llama(tmp / "swa", seed=2, **layers)
     return _receipt(target, BATCHED, method="draft_model", draft_model=str(draft))
 
 
@@ -133,7 +134,7 @@ CASES: dict[RefusalReason, Callable[..., RefusalReason | None]] = {
     RefusalReason.head_shape_mismatch: lambda tmp, mp: _head_shape(tmp),
     RefusalReason.unsupported_model: lambda tmp, mp: _receipt(make_llama(tmp / "llama")),
     RefusalReason.unvalidated_sidecar: lambda tmp, mp: _receipt(make_sidecar(_tiny(), tmp / "sidecar")),
-    RefusalReason.unsupported_cache_sharing: lambda tmp, mp: _batched_window(tmp),
+    RefusalReason.unsupported_cache_sharing: lambda tmp, mp: _windowed_draft(tmp),
     RefusalReason.unsupported_quantization: lambda tmp, mp: _receipt(_tiny(), QUANTIZED),
     RefusalReason.device_policy_disabled: _device_policy,
     RefusalReason.invalid_config: lambda tmp, mp: _receipt(_copy(_tiny(), tmp / "b", **NEGATIVE_HEADS)),
