@@ -3,7 +3,8 @@ DeepSeek-style MTP head, on tiny checkpoints in the HF layout.
 
 For each family:
 - mlx-lm's own loader reads the main model, the project loader yields the same logits,
-  the receipt admits the family with its own head module;
+  the receipt admits the family with its own head module, names its caches (KV trimmed,
+  linear-attention state captured and selected) and refuses a quantized KV cache typed;
 - the head's forward equals a reference forward written here from the published
   architecture (vLLM's bailing_moe_v3_mtp / bailing_mtp) with plain mlx ops on the raw HF
   tensors: expanded latent attention with interleaved RoPE (and Ling V3's per-head output
@@ -46,7 +47,9 @@ from mlx_lm.sample_utils import make_logits_processors
 from scripted_head import ScriptedHead
 from test_decode_rollback import CYCLES, PROMPT, clean_cache, max_diff, run_cycles
 
-from melix_fsm.receipt import resolve
+from melix_fsm.config import speculative_config
+from melix_fsm.reasons import RefusalReason
+from melix_fsm.receipt import Mode, ServingContext, resolve
 
 N = 14
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [100, 3, 8], [72, 101, 108, 108, 111, 44, 32, 119, 111, 114]]
@@ -98,6 +101,18 @@ def test_hf_layout_loads_with_mlx_lm_and_is_admitted(loaded, family):
     assert (receipt.family, receipt.head_module) == (family, family)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_receipt_names_the_caches_and_refuses_a_quantized_kv_cache_typed(loaded, family):
+    """Latent attention reads its cache as plain arrays: kv_bits is refused, the family is not."""
+    path = loaded[family][0]
+    plain = resolve(path, speculative_config())
+    assert plain.mode is Mode.accepted
+    kinds = sorted((c.kind, c.strategy) for c in plain.caches)
+    assert kinds == [("arrays", "capture_select"), ("kv", "trim")]
+    receipt = resolve(path, speculative_config(), context=ServingContext(quantized_kv=True))
+    assert receipt.mode is Mode.refused and receipt.refusal_reason is RefusalReason.unsupported_quantization
+
+
 def test_ling_v3_under_the_bailing_hybrid_model_type_gets_the_ling_v3_head(loaded, tmp_path):
     path = shutil.copytree(loaded["bailing_moe_v3"][0], tmp_path / "ling3")
     config = json.loads((path / "config.json").read_text())
@@ -134,7 +149,8 @@ def _mla(w: dict, c: dict, s: str, a: mx.array, gated: bool) -> mx.array:
     eps, H = c["rms_norm_eps"], c["num_attention_heads"]
     nope, rope, vd, kvr = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
     B, L, _ = a.shape
-    q = _rms(a @ w[f"{s}.q_a_proj.weight"].T, w[f"{s}.q_a_layernorm.weight"], eps) @ w[f"{s}.q_b_proj.weight"].T
+    q = _rms(a @ w[f"{s}.q_a_proj.weight"].T, w[f"{s}.q_a_layernorm.weight"], eps)
+    q = q @ w[f"{s}.q_b_proj.weight"].T
     q = q.reshape(B, L, H, nope + rope).transpose(0, 2, 1, 3)
     kv = a @ w[f"{s}.kv_a_proj_with_mqa.weight"].T
     latent = _rms(kv[..., :kvr], w[f"{s}.kv_a_layernorm.weight"], eps)
@@ -142,7 +158,8 @@ def _mla(w: dict, c: dict, s: str, a: mx.array, gated: bool) -> mx.array:
     up = w[f"{s}.kv_b_proj.weight"].reshape(H, nope + vd, kvr)
     k_nope = latent[:, None] @ up[:, :nope].swapaxes(-1, -2)[None]  # [B, H, L, nope]
     v = latent[:, None] @ up[:, nope:].swapaxes(-1, -2)[None]
-    scores = q[..., :nope] @ k_nope.swapaxes(-1, -2) + _rope(q[..., nope:], c["rope_theta"]) @ k_pe.swapaxes(-1, -2)
+    q_pe = _rope(q[..., nope:], c["rope_theta"])
+    scores = q[..., :nope] @ k_nope.swapaxes(-1, -2) + q_pe @ k_pe.swapaxes(-1, -2)
     causal = mx.tril(mx.ones((L, L), dtype=mx.bool_))
     p = mx.softmax(mx.where(causal, scores / math.sqrt(nope + rope), -1e30), axis=-1)
     o = (p @ v).transpose(0, 2, 1, 3)  # [B, L, H, vd]
@@ -166,7 +183,7 @@ def _moe(w: dict, c: dict, p: str, x: mx.array) -> mx.array:
     return routed + _mlp(w, f"{p}.shared_experts", x)
 
 
-def _reference(w: dict, c: dict, family: str, hidden: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
+def _reference(w: dict, c: dict, family: str, hidden: mx.array, tokens: mx.array) -> tuple[mx.array, ...]:
     eps, p = c["rms_norm_eps"], f"model.layers.{c['num_hidden_layers']}"
     e = _rms(w["model.word_embeddings.weight"][tokens], w[f"{p}.enorm.weight"], eps)
     h = _rms(hidden, w[f"{p}.hnorm.weight"], eps)
