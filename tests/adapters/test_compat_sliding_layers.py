@@ -1,8 +1,9 @@
 """Checkpoints whose own config has sliding-window layers, speculated on exactly.
 
-No family whose MTP head we run has sliding layers in its mlx-lm model (mimo / qwen2 read
-neither `use_sliding_window` nor `layer_types`; spec/families.toml). The closest honest
-case is a llama whose `layer_types` marks a sliding layer: mlx-lm's `make_cache` gives
+The MTP families with sliding layers (MiMo-V2-Flash, Step-3.5, EXAONE MoE) have their own
+tests (test_family_swa.py); mimo / qwen2 read neither `use_sliding_window` nor
+`layer_types` (spec/families.toml). Here the window comes from a llama config whose
+`layer_types` marks a sliding layer: mlx-lm's `make_cache` gives
 that layer a RotatingKVCache (window 8 here) and the other a KVCache, and the draft-model
 method speculates on it. Single sequence: greedy output equals mlx-lm's own decode token
 for token with a prompt longer than the window (a scripted head wrong every fifth draft,
