@@ -220,7 +220,7 @@ def batched_schedules(
     rng = random.Random(seed)
     out = []
     for b in range(batches):
-        depth = 1 + (k - 1 + b) % max(k, 3) if k > 1 else 1
+        depth = k - b % k  # k, k - 1, ..., 1, then k again
         opts = {"num_draft_tokens": depth}
 
         def req(n: int, opts: dict[str, Any] = opts) -> dict[str, Any]:
