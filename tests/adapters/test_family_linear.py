@@ -19,7 +19,8 @@ For each family:
   one by one, bit for bit: the linear-attention states selected from the verify's capture
   (melix_mlx.runtime.capture_linear), the latent caches trimmed after an absorbed verify
   (melix_mlx.runtime.absorbed_bailing), no replay forward;
-- a 4-bit converted checkpoint keeps identity.
+- a 4-bit converted checkpoint keeps identity;
+- (slow) sampled decoding draws the first two tokens from the target's exact joint.
 A Ling V3 checkpoint published under ``model_type = "bailing_hybrid"`` (architecture
 ``BailingMoeV3ForCausalLM``, which mlx-lm loads as bailing_moe_v3) gets the Ling V3 head.
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
@@ -36,16 +38,19 @@ import mlx_lm
 import pytest
 from decode_refs import mtp, reference
 from melix_mlx.batch_generator import MTPBatchGenerator
+from melix_mlx.decode import MTPDecoder
 from melix_mlx.loading import load_with_heads, safetensors_keys
 from melix_mlx.loading.convert import convert
 from melix_mlx.loading.heads import HEAD_CLASSES, bailing_moe_v3
 from melix_mlx.runtime.hidden import forward_with_hidden, main_parts
+from melix_mlx.runtime.sampling import make_sampler, normalize_logits, params_of, probabilities
 from melix_mlx.tools.tiny_linear import FAMILIES
 from melix_mlx.tools.tiny_tokenizer import VOCAB_SIZE
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 from scripted_head import ScriptedHead
 from test_decode_rollback import CYCLES, PROMPT, clean_cache, max_diff, run_cycles
+from test_decode_sampling import ALPHA, SAMPLES, g_test
 
 from melix_fsm.config import speculative_config
 from melix_fsm.reasons import RefusalReason
@@ -111,6 +116,17 @@ def test_receipt_names_the_caches_and_refuses_a_quantized_kv_cache_typed(loaded,
     assert kinds == [("arrays", "capture_select"), ("kv", "trim")]
     receipt = resolve(path, speculative_config(), context=ServingContext(quantized_kv=True))
     assert receipt.mode is Mode.refused and receipt.refusal_reason is RefusalReason.unsupported_quantization
+
+
+def test_ling_2_5_head_without_its_shared_head_norm_is_refused_typed(loaded, tmp_path):
+    from melix_mlx.loading.errors import MissingHeadWeights
+
+    path = shutil.copytree(loaded["bailing_hybrid"][0], tmp_path / "no-norm")
+    weights = mx.load(str(path / "model.safetensors"))
+    del weights["model.layers.4.shared_head.norm.weight"]
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+    with pytest.raises(MissingHeadWeights, match="shared_head.norm.weight"):
+        load_with_heads(path)
 
 
 def test_ling_v3_under_the_bailing_hybrid_model_type_gets_the_ling_v3_head(loaded, tmp_path):
@@ -282,3 +298,40 @@ def test_4bit_identity(loaded, family, tmp_path):
             assert got == want and decoder.stats["accepted"] > 0
             rollbacks += decoder.stats["rollbacks"]
     assert rollbacks > 0  # the scripted head's wrong drafts were rolled back
+
+
+# -- sampling ---------------------------------------------------------------------------------
+@pytest.mark.slow  # 1,500 decoder runs a family
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sampled_tokens_follow_the_targets_joint(loaded, family):
+    """temp 1, top_k 4: the first two tokens (prefill, then one k = 1 cycle: a scripted soft
+    draft accepted with min(1, p/q), else a residual draw, the linear state selected at the
+    accepted length) are drawn from the target's exact joint (G-test, alpha 1e-3)."""
+    model = loaded[family][1]
+    sampler = make_sampler(temp=1.0, top_k=4)
+    params = params_of(sampler)
+    prompt = PROMPTS[0]
+
+    def dist(tokens: list[int]) -> mx.array:
+        return probabilities(normalize_logits(model(mx.array([tokens]))[0, -1]), params)
+
+    p1 = dist(prompt)
+    joint: dict[tuple[int, int], float] = {}
+    scripts = []
+    for t1 in (t for t in range(VOCAB_SIZE) if p1[t].item() > 0):
+        p2 = dist(prompt + [t1])
+        allowed = [t2 for t2 in range(VOCAB_SIZE) if p2[t2].item() > 0]
+        joint.update({(t1, t2): p1[t1].item() * p2[t2].item() for t2 in allowed})
+        scripts.append(prompt + [t1, int(mx.argmax(p2).item())])
+    head = ScriptedHead(scripts, VOCAB_SIZE, main_parts(model).args.hidden_size, confidence=2.0)
+    mx.random.seed(20261206)
+    counts: Counter = Counter()
+    totals: Counter = Counter()
+    for _ in range(SAMPLES):
+        decoder = MTPDecoder(model, head, num_draft_tokens=1, sampler=sampler)
+        t1, t2 = (t for t, _, _ in decoder.generate(mx.array(prompt), 2))
+        counts[(t1, t2)] += 1
+        totals.update({"accepted": decoder.stats["accepted"], "rejected": decoder.stats["rejected"]})
+    assert set(counts) <= set(joint)
+    assert totals["accepted"] > SAMPLES // 10 and totals["rejected"] > SAMPLES // 10
+    assert g_test(counts, joint) > ALPHA

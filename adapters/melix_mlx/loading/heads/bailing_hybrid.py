@@ -22,6 +22,9 @@ mlx-lm 0.32.2's ``models/bailing_hybrid.py`` and ``utils.MODEL_ARCHITECTURE_REMA
   ``head(shared_head.norm(that))``: two RMS norms in a row, as published. vLLM fills
   ``shared_head.head`` from the target model when the checkpoint lacks it: here the main
   ``lm_head`` is used unless the checkpoint stores its own and ``own_lm_head`` asks.
+  ``shared_head.norm`` is required: a checkpoint without it is refused as missing head
+  weights (vLLM would run that norm at its initial weight of ones; nothing published
+  says a release relies on that).
 - The head reads the main model's final post-norm hidden state.
 - vLLM zeroes the token embedding at position 0 (as its deepseek_mtp does); this project's
   DeepSeek-layout heads do not (slot 0 is only ever a prompt slot), and neither does this
