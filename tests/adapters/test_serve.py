@@ -273,10 +273,10 @@ def test_models_endpoint_lists_the_served_name_and_no_path(server: Any) -> None:
     assert answer.model == ids[0]
 
 
-def test_seeded_request_says_it_was_decoded_plainly(server: Any) -> None:
+def test_a_greedy_request_with_a_seed_speculates_in_the_batch(server: Any) -> None:
     answer = complete(server.url, "The king of", seed=3)
     spec = answer.usage.model_extra["speculative"]
-    assert spec["method"] == "none" and "seed" in spec["reason"]
+    assert spec["method"] == "mtp" and "reason" not in spec
     assert answer.choices[0].text == complete(server.url, "The king of").choices[0].text
 
 

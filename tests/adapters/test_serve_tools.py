@@ -140,15 +140,12 @@ class Forced:
 
 def scripted_generator(script: list[int], eos: int) -> type:
     from melix_mlx.serve.runtime import ServingResponseGenerator
-    from mlx_lm.server import _make_logits_processors
 
     class Scripted(ServingResponseGenerator):
         def substitutions(self) -> dict[str, Any]:
             own = super().substitutions()
-            return {
-                **own,
-                "_make_logits_processors": lambda args: [*_make_logits_processors(args), Forced(script, eos)],
-            }
+            served = own["_make_logits_processors"]  # the server's own processors, then the script
+            return {**own, "_make_logits_processors": lambda args: [*served(args), Forced(script, eos)]}
 
     return Scripted
 

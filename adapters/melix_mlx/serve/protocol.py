@@ -11,6 +11,8 @@ Rules of this module:
   parts: it reads them outside its guard); `model` names the served model (or mlx-lm's
   "default_model"); client-chosen adapters and draft models are refused. Every refusal
   is an `ApiError` naming the field.
+- A sampled request with a seed draws in a logits processor (melix_mlx.serve.seeded): it
+  cannot also ask for logprobs or XTC (400).
 - The prompt-token limit needs the tokenized prompt: the generation thread checks it
   (melix_mlx.serve.runtime) before any prefill.
 """
@@ -33,6 +35,7 @@ from mlx_lm.server import (
 
 from .errors import ApiError
 from .limits import ServeLimits
+from .seeded import seeded
 
 DEFAULT_MODEL = "default_model"  # mlx-lm's name for the server's own model
 
@@ -199,7 +202,7 @@ def generation_arguments(
     template_kwargs = body.get("chat_template_kwargs")
     if template_kwargs is not None and not isinstance(template_kwargs, dict):
         raise ApiError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
-    return GenerationArguments(
+    args = GenerationArguments(
         model=ModelDescription(model=DEFAULT_MODEL, draft=DEFAULT_MODEL, adapter=None),
         sampling=sampling,
         logits=logits,
@@ -211,6 +214,12 @@ def generation_arguments(
         seed=_typed(body, "seed", int, None, 0, (1 << 32) - 1),
         chat_template_kwargs=template_kwargs,
     )
+    if seeded(args):  # its row draws in a processor that leaves one token (melix_mlx.serve.seeded)
+        if args.logprobs or args.top_logprobs > 0:
+            raise ApiError(400, "a sampled request with a seed cannot report logprobs", param="seed")
+        if args.sampling.xtc_probability > 0:
+            raise ApiError(400, "a sampled request with a seed cannot use XTC", param="seed")
+    return args
 
 
 def parse(

@@ -16,8 +16,8 @@ Rules of this module:
   the ASGI disconnect); a request past its deadline is cancelled (504, or an error
   event); a drain ends queued requests with 503 and, at its timeout, started ones with
   503 or, streamed, a last chunk with finish_reason "abort", an error event and [DONE];
-  so does a lost rank of a sharded server (`rank_lost`). A sharded server refuses `seed`
-  (400): mlx-lm serves a seeded request alone, outside the batch the ranks share.
+  so does a lost rank of a sharded server (`rank_lost`). A seeded request joins the
+  batch like any other (melix_mlx.serve.seeded), on a sharded server too.
 """
 
 from __future__ import annotations
@@ -143,9 +143,6 @@ async def stream_events(state: ServeState, sub: Submission, asm: Assembler, watc
 async def accept(state: ServeState, request: Request, parsed: Parsed) -> tuple[Submission, asyncio.Task, Any]:
     """Admit `parsed` and wait for its context (the generation thread took it); the
     submission, its disconnect watcher and the context. On a refusal both are released."""
-    if state.ranks > 1 and parsed.args.seed is not None:  # mlx-lm decodes it alone, unshared
-        raise ApiError(400, "a sharded server does not take seed (a seeded request leaves the batch)",
-                       param="seed", code="unsupported_under_sharding")
     sub = Submission(parsed, asyncio.get_running_loop(), state.limits.request_timeout_s)
     state.admission.admit(sub)
     watcher = asyncio.create_task(watch_disconnect(request, sub, state.admission))

@@ -21,9 +21,12 @@ Rules of this module:
 - Cancellation in any state: a stopped context's row leaves at its next response (mlx-lm's
   loop); a stopped request still waiting in the generator's queue is removed there
   (`remove`) and given a progress response, so the loop forgets it.
-- Requests mlx-lm's server does not batch (a request with a seed) run on its plain
-  single-sequence path without MTP; their usage says so (method "none" and the reason).
-  That path sees the prompt cache through `PartialHits` (a full hit leaves one token).
+- Every request joins the batch, a seeded one too, with its own random stream
+  (melix_mlx.serve.seeded builds each row's sampler and processors: `_make_sampler`
+  and `_make_logits_processors` are substituted in mlx-lm's loop). Only a model whose
+  caches cannot be batched runs mlx-lm's plain single-sequence path, without MTP; its
+  usage says so (method "none" and the reason). That path sees the prompt cache through
+  `PartialHits` (a full hit leaves one token).
 - A request's context is bound to its batch uid when mlx-lm inserts it (the context is
   built just before, in the same generation thread). A finishing row writes its
   speculative usage into the context before mlx-lm queues its last response, so the
@@ -52,6 +55,7 @@ from dataclasses import dataclass
 from queue import Queue
 from typing import Any
 
+import mlx_lm.server as server_module
 from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.server import GenerationContext, ResponseGenerator
 
@@ -60,6 +64,7 @@ from melix_fsm.errors import MelixError
 from ..decoding.batch_generator import MTPBatchGenerator
 from .chunks import split_segments
 from .plain_path import PartialHits
+from .seeded import row_processors, row_sampler
 from .usage import PLAIN_PATH_REASON, speculative_usage
 
 
@@ -324,7 +329,16 @@ class ServingResponseGenerator(ResponseGenerator):
 
     def substitutions(self) -> dict[str, Any]:
         """Names replaced in mlx-lm's generation loop (a subclass may add more)."""
-        return {"BatchGenerator": self._make_batch_generator, "GenerationContext": self._batched_context}
+        return {
+            "BatchGenerator": self._make_batch_generator,
+            "GenerationContext": self._batched_context,
+            "_make_sampler": row_sampler(server_module._make_sampler),
+            "_make_logits_processors": row_processors(server_module._make_logits_processors),
+        }
+
+    def _is_batchable(self, args: Any) -> bool:
+        """A seed no longer takes a request out of the batch (melix_mlx.serve.seeded)."""
+        return self.model_provider.is_batchable and self.cli_args.kv_bits is None
 
     def _generate(self) -> None:
         while not self._stop:

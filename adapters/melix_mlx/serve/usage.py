@@ -3,7 +3,8 @@
 Rules: built from the finishing row's own counters (melix_fsm.counters via the batch
 generator's final response), never estimated. `method` is the served method ("mtp" or
 "draft_model") when the row could draft and "none" otherwise, with the reason (the
-receipt's refusal, the row's refusal or fault, or the plain path a request took).
+receipt's refusal, the row's refusal or fault, or the plain path an unbatchable model
+takes).
 `position_proposed[p]` counts the cycles that drafted position p + 1, so its length is
 the depth the row drafted to. Clients that do not know the key ignore it.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-PLAIN_PATH_REASON = "requests with a seed are decoded one at a time on the plain path, without MTP"
+PLAIN_PATH_REASON = "this model's caches cannot be batched: requests are decoded one at a time, without MTP"
 
 
 def speculative_usage(
