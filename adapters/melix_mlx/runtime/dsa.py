@@ -17,8 +17,12 @@ Rules of this module:
   sees (``T - L + i + 1`` entries: later verify keys are outside it, in the indexer's
   scores too): the same indexer scores, the same ``index_topk`` threshold, the same
   ``argpartition`` row, the same gathered keys and the same absorbed attention. Each
-  position is therefore bit-equal to the one-token step. Unmarked (a prefill, a plain
-  decode step) it is mlx-lm's ``__call__`` unchanged; it adds no parameters.
+  position is therefore bit-equal to the one-token step. The leading queries whose step
+  keeps every key (``seen <= index_topk``: no indexer scores at all) run together, in
+  the absorbed form over the block prefix with the causal mask, as
+  melix_mlx.runtime.absorbed_mla verifies DeepSeek-V3 (bit-equal on the CPU wheel, as
+  the tests check). Unmarked (a prefill, a plain decode step) it is mlx-lm's
+  ``__call__`` unchanged; it adds no parameters.
 - Batched caches: the mask row of query i restricted to its prefix is the mask the
   one-token step builds (left padding, rolled-back holes), applied before the top-k
   exactly as mlx-lm does, so padding and holes only fill a top-k whose row has fewer
@@ -41,7 +45,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import deepseek_v32
-from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
 
 VERIFYING = "melix_verifying"  # attribute a KV cache leaf carries during a verify forward
 
@@ -49,6 +53,10 @@ VERIFYING = "melix_verifying"  # attribute a KV cache leaf carries during a veri
 def _gather(x: mx.array, idx: mx.array) -> mx.array:
     """x [B, 1, T, d] at key indices idx [B, 1, k, 1] -> [B, 1, k, d]."""
     return mx.take_along_axis(x, mx.broadcast_to(idx, idx.shape[:-1] + (x.shape[-1],)), axis=2)
+
+
+def _lowest(x: mx.array) -> mx.array:
+    return mx.array(mx.finfo(x.dtype).min, x.dtype)
 
 
 def top_keys(q: mx.array, keys: mx.array, weights: mx.array, row: mx.array | None, k: int) -> mx.array:
@@ -93,21 +101,31 @@ def _verify_call(self: Any, x: mx.array, mask: mx.array | None, cache: Any) -> m
     q_abs = self.embed_q(q_nope)
     total = kv_latent.shape[2]
     outputs = []
-    for i in range(L):
+    # queries whose step keeps every key (seen <= index_topk): the absorbed form over the
+    # block prefix at once, as melix_mlx.runtime.absorbed_mla verifies DeepSeek-V3
+    dense = max(0, min(L, ix.index_topk - (total - L)))
+    if dense:
+        seen = total - L + dense
+        rows = create_causal_mask(dense, total - L) if mask is None else mask[..., :dense, :seen]
+        pe_scores = (q_pe[:, :, :dense] * self.scale) @ k_pe[:, :, :seen].swapaxes(-1, -2)
+        pe_scores = mx.where(rows, pe_scores, _lowest(pe_scores))
+        latent = kv_latent[:, :, :seen]
+        outputs.append(
+            scaled_dot_product_attention(
+                q_abs[:, :, :dense], latent, latent, cache=cache, scale=self.scale, mask=pe_scores
+            )
+        )
+    for i in range(dense, L):  # the rest keep their own top-k: one query at a time
         seen = total - L + i + 1  # the cache a one-token step at this position holds
-        latent, pe = kv_latent[:, :, :seen], k_pe[:, :, :seen]
         # the one-token step's mask: [B, 1, 1, seen] (a single sequence's causal rows are all True)
         row = None if mask is None else mx.broadcast_to(mask[..., i : i + 1, :seen], (B, 1, 1, seen))
-        if seen > ix.index_topk:
-            w = weights[:, i : i + 1]
-            top = top_keys(iq[:, :, i : i + 1], ik[:, :, :seen], w, row, ix.index_topk)
-            idx = top[:, :, 0, :, None]
-            latent, pe = _gather(latent, idx), _gather(pe, idx)
-            if row is not None:
-                row = mx.take_along_axis(row, top, axis=-1)
+        w = weights[:, i : i + 1]
+        top = top_keys(iq[:, :, i : i + 1], ik[:, :, :seen], w, row, ix.index_topk)
+        idx = top[:, :, 0, :, None]
+        latent, pe = _gather(kv_latent[:, :, :seen], idx), _gather(k_pe[:, :, :seen], idx)
         pe_scores = (q_pe[:, :, i : i + 1] * self.scale) @ pe.swapaxes(-1, -2)
         if row is not None:
-            pe_scores = mx.where(row, pe_scores, mx.array(mx.finfo(pe_scores.dtype).min, pe_scores.dtype))
+            pe_scores = mx.where(mx.take_along_axis(row, top, axis=-1), pe_scores, _lowest(pe_scores))
         outputs.append(
             scaled_dot_product_attention(
                 q_abs[:, :, i : i + 1], latent, latent, cache=cache, scale=self.scale, mask=pe_scores
