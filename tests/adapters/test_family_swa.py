@@ -394,3 +394,22 @@ def test_4bit_identity(loaded, family, tmp_path):
             assert got == want and decoder.stats["accepted"] > 0
             rollbacks += decoder.stats["rollbacks"]
     assert rollbacks > 0  # the scripted head's wrong drafts were rolled back
+
+
+def test_deepseek_v41_stays_refused_with_its_reasons() -> None:
+    """DeepSeek-V4.1's head reads the target's hyper-connection streams and its LayerCache
+    has no exact trim: the family is refused, and the cache kind is refused typed (single
+    and batched) wherever it would decode speculatively (a draft model on such a target)."""
+    from mlx_lm.models.deepseek_v41 import LayerCache
+
+    from melix_fsm.registry import Support, registry
+
+    family = registry().families["deepseek_v41"]
+    assert family.support is Support.refused and family.refusal is RefusalReason.unsupported_model
+    assert "hyper-connection streams" in family.message and family.cache_kinds == ("layer_cache",)
+    cache = [LayerCache(WINDOW), LayerCache(WINDOW)]
+    assert rollback.kind_of(cache[0]) == "layer_cache"
+    for batched in (False, True):
+        text = rollback.refusal(cache, batched=batched)
+        assert text is not None and text.startswith(RefusalReason.unsupported_cache_sharing.value)
+        assert "layer_cache" in text and "LayerCache" in text

@@ -59,6 +59,8 @@ def kind_of(c: Any) -> str:
         return "rotating_keep" if c.keep else "rotating"
     if isinstance(c, ArraysCache):
         return "arrays"
+    if type(c).__name__ == "LayerCache" and type(c).__module__.endswith(".deepseek_v41"):
+        return "layer_cache"  # not trimmable (spec/rollback.toml)
     return type(c).__name__
 
 
