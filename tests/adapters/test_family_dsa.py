@@ -17,6 +17,7 @@ On a tiny checkpoint written in each family's Hugging Face layout, with ``index_
   joiner, a removed row);
 - after rejecting cycles the main cache (both parts of every layer's CacheList) equals
   a clean run fed only the confirmed tokens, bit for bit, with no replay forward;
+- a two-layer head chains its second layer on a CacheList of its own (no fault);
 - 4-bit weights keep identity; a quantized KV cache is refused typed (latent attention);
 - sampled decoding draws the first two tokens from the target's exact joint (G-test as in
   test_decode_sampling; marked slow: ~150 s a family here).
@@ -434,3 +435,13 @@ def test_sampled_tokens_follow_the_targets_joint(dsa_heads, family):
     assert set(counts) <= set(joint)
     assert totals["accepted"] > SAMPLES // 10 and totals["rejected"] > SAMPLES // 10
     assert g_test(counts, joint) > ALPHA
+
+
+def test_two_layer_head_chains_on_its_own_dsa_caches(tiny_checkpoint):
+    """num_nextn_predict_layers = 2: draft step 2 runs layer 1 on a CacheList of its own."""
+    model, _, head, _ = load_with_heads(tiny_checkpoint("deepseek_v32", mtp_layers=2))
+    assert len(head.heads) == 2
+    want = reference(model, PROMPTS[0], N)
+    for k in (2, 3):
+        got, decoder = mtp(model, head, PROMPTS[0], N, k)
+        assert got == want and decoder.stats["faults"] == 0 and decoder.stats["cycles"] > 0

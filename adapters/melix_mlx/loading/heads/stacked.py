@@ -23,7 +23,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
 
 from ._base import MTPHeadBase
 
@@ -77,5 +76,7 @@ class StackedHead(nn.Module):
         if step == 1:
             self._scratch.caches = {}
         layer = self.layer_for_step(step)
-        cache = self._scratch.caches.setdefault(layer, [KVCache()])
+        if layer not in self._scratch.caches:  # the family's own cache form (DSA: a CacheList)
+            self._scratch.caches[layer] = self.heads[layer].make_cache()
+        cache = self._scratch.caches[layer]
         return self.heads[layer](hidden, tokens, cache)
