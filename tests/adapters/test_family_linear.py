@@ -300,6 +300,33 @@ def test_4bit_identity(loaded, family, tmp_path):
     assert rollbacks > 0  # the scripted head's wrong drafts were rolled back
 
 
+def test_ring_linear_target_rolls_back_exactly(monkeypatch):
+    """Ring/Ling linear 2.0 (bailing_moe_linear: no MTP head of its own, a draft source in the
+    head slot) keeps greedy identity, and its lightning state is selected from the verify's
+    capture: the cache equals a clean run fed the confirmed tokens one by one, bit for bit."""
+    from melix_mlx.tools.tiny_linear import CONFIGS
+    from mlx_lm.models import bailing_moe_linear
+
+    mx.random.seed(3)
+    config = {**CONFIGS["bailing_hybrid"], "model_type": "bailing_moe_linear", "head_dim": None}
+    model = bailing_moe_linear.Model(bailing_moe_linear.ModelArgs.from_dict(config))
+    model.update(
+        {"lm_head": {"weight": mx.random.normal(model.lm_head.weight.shape, key=mx.random.key(4)) * 0.5}}
+    )
+    mx.eval(model.parameters())
+    hidden = main_parts(model).args.hidden_size
+    script = PROMPT + reference(model, PROMPT, 40)
+    for k in (1, 3):
+        drafter = ScriptedHead([script], VOCAB_SIZE, hidden, wrong_every=3)
+        got, decoder = mtp(model, drafter, PROMPT, N, k)
+        assert got == script[len(PROMPT) : len(PROMPT) + N] and decoder.stats["rollbacks"] > 0
+    drafter = ScriptedHead([script], VOCAB_SIZE, hidden, wrong_every=3)
+    decoder, kept, _ = run_cycles(model, drafter, 3, monkeypatch)
+    assert decoder.stats["rollbacks"] == CYCLES and decoder.stats["replay_forwards"] == 0
+    tokenwise = clean_cache(model, [[t] for chunk in kept for t in chunk])
+    assert max_diff(decoder.cache, tokenwise) == 0.0
+
+
 # -- sampling ---------------------------------------------------------------------------------
 @pytest.mark.slow  # 1,500 decoder runs a family
 @pytest.mark.parametrize("family", FAMILIES)
