@@ -10,7 +10,9 @@ On a tiny Nemotron-H checkpoint (Mamba-2, attention, MLP and MoE layers), CPU wh
   only those n tokens one at a time, bit for bit, per row (rows select different n);
   selecting one position too many is visible;
 - at the mixer, with a padding mask (a left-padded row), the armed block equals mlx-lm's
-  mixer called one position at a time with each position's mask;
+  mixer called one position at a time with each position's mask; its CPU one-token form
+  (`one_position`) equals mlx-lm's `ssm_update` over one token at the tiny and at
+  Nemotron-3's sizes, masked or not, float32 and bfloat16;
 - installing changes no parameter and is idempotent; the model's recurrent caches are
   then `supported`, and are not without the capturing mixer; an unarmed cache records
   nothing; an armed cache prepared with right-padding lengths is refused.
@@ -23,11 +25,12 @@ import pytest
 from melix_mlx.loading import load_with_heads
 from melix_mlx.runtime import capture
 from melix_mlx.runtime.cache_leaves import ARMED
-from melix_mlx.runtime.capture_mamba import CapturingMamba2Mixer
+from melix_mlx.runtime.capture_mamba import CapturingMamba2Mixer, one_position
 from melix_mlx.runtime.hidden import forward_with_hidden
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from mlx_lm.models.nemotron_h import NemotronHMamba2Mixer
+from mlx_lm.models.ssm import ssm_update
 
 PROMPT = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 23, 24, 25, 26]]
 
@@ -150,6 +153,29 @@ def test_masked_block_equals_the_mixer_per_position(nemotron) -> None:
     assert len(recorded) == length
     for (w, s), (ww, ws) in zip(recorded, want_steps, strict=True):
         assert mx.array_equal(w, ww).item() and mx.array_equal(s, ws).item()
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("shape", [(8, 8, 2, 16), (64, 64, 8, 128)], ids=["tiny", "nemotron-3"])
+def test_one_position_is_mlx_lm_one_token_update(shape, dtype, masked: bool) -> None:
+    """The CPU one-token form in fewer ops equals mlx-lm's `ssm_update` over one token bit
+    for bit (outputs, states, dtypes), at the tiny and at Nemotron-3's head sizes."""
+    heads, head_dim, groups, size = shape
+    rows = 3
+    keys = iter(mx.random.split(mx.random.key(heads + size), 8))
+    x = mx.random.normal((rows, 1, heads, head_dim), key=next(keys)).astype(dtype)
+    B = mx.random.normal((rows, 1, groups, size), key=next(keys)).astype(dtype)
+    C = mx.random.normal((rows, 1, groups, size), key=next(keys)).astype(dtype)
+    dt = mx.random.normal((rows, 1, heads), key=next(keys)).astype(dtype)
+    A_log = mx.log(mx.random.uniform(1.0, 16.0, (heads,), key=next(keys)))
+    D = mx.random.normal((heads,), key=next(keys)).astype(dtype)
+    dt_bias = mx.random.normal((heads,), key=next(keys))
+    state = mx.random.normal((rows, heads, head_dim, size), key=next(keys))
+    mask = mx.array([[True], [False], [True]]) if masked else None
+    args = (x, A_log, B, C, D, dt, dt_bias, state, (0.0, float("inf")), mask)
+    for want, got in zip(ssm_update(*args), one_position(*args), strict=True):
+        assert want.dtype == got.dtype and mx.array_equal(want, got).item()
 
 
 def test_install_keeps_parameters_and_is_idempotent(tiny_checkpoint) -> None:

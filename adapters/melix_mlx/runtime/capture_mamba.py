@@ -19,12 +19,13 @@ Rules of this module:
 - Armed: the input projection, the causal convolution (mlx-lm's own `_conv`, which also
   updates the convolution window) and the gated norm and output projection run over the
   whole verify block, as mlx-lm runs them; the state update runs one position at a
-  time through mlx-lm's `ssm_update` with the position's mask, which dispatches exactly
-  as mlx-lm's one-token decoding does (CPU: `ssm_attn` over one token; Metal: the
-  kernel). On the CPU wheel every output row and every recorded state equals mlx-lm's
-  token-by-token decoding bit for bit (tests/adapters/test_capture_mamba.py); the
-  convolution window after position t is the padded block input's rows t+1..t+K-1,
-  what a one-token decode would have kept.
+  time in mlx-lm's one-token form with the position's mask: `ssm_update`, which
+  dispatches exactly as mlx-lm's one-token decoding does (Metal: its kernel), or on the
+  CPU, where that is `ssm_attn` over one token, `one_position`, the same arithmetic in
+  half the ops (its doc says why it is exact). On the CPU wheel every output row and
+  every recorded state equals mlx-lm's token-by-token decoding bit for bit
+  (tests/adapters/test_capture_mamba.py); the convolution window after position t is
+  the padded block input's rows t+1..t+K-1, what a one-token decode would have kept.
 - A cache prepared with right-padding lengths (a prefill form) is never armed: the
   verify runs on a finalized cache; meeting one is a `ValueError`, not a guess.
 - Unarmed, the mixer is mlx-lm's but for one thing: in a joint prefill of right-padded
@@ -43,7 +44,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import nemotron_h
-from mlx_lm.models.ssm import ssm_update
+from mlx_lm.models.ssm import compute_dt, ssm_update
 
 from .cache_leaves import ARMED  # the one attribute name every capturing layer records into
 
@@ -127,8 +128,9 @@ def _per_position(
     windows: list[mx.array],
     steps: list,
 ) -> mx.array:
-    """mlx-lm's `_ssm` one position at a time (its `ssm_update` per position), recording
-    (window, state) after each; sets the cache's state; returns y [B, S, intermediate]."""
+    """mlx-lm's `_ssm` one position at a time (its one-token form per position: `ssm_update`,
+    on the CPU `one_position`), recording (window, state) after each; sets the cache's
+    state; returns y [B, S, intermediate]."""
     rows, length, _ = x.shape
     x = x.reshape(rows, length, layer.num_heads, layer.head_dim)
     B = B.reshape(rows, length, layer.n_groups, layer.ssm_state_size)
@@ -138,7 +140,8 @@ def _per_position(
     outs = []
     for t in range(length):
         at = slice(t, t + 1)
-        y, state = ssm_update(
+        step = one_position if state is not None and mx.default_device() == mx.cpu else ssm_update
+        y, state = step(
             x[:, at],
             layer.A_log,
             B[:, at],
@@ -155,6 +158,52 @@ def _per_position(
     cache[1] = state
     y = outs[0] if length == 1 else mx.concatenate(outs, axis=1)
     return y.reshape(rows, length, layer.intermediate_size)
+
+
+def one_position(
+    x: mx.array,
+    A_log: mx.array,
+    B: mx.array,
+    C: mx.array,
+    D: mx.array,
+    dt: mx.array,
+    dt_bias: mx.array,
+    state: mx.array,
+    time_step_limit: tuple[float, float],
+    mask: mx.array | None,
+) -> tuple[mx.array, mx.array]:
+    """mlx-lm's `ssm_attn` over ONE position with a state, the CPU one-token form, in about
+    half the ops (graph building is what a verify's per-position loop costs): the same
+    arithmetic where ssm_attn's steps are exact over one position. Its one-entry decay is
+    exp(0) = 1 (exp(-inf) = 0 where masked), its one-term cumulative sum is the term, and
+    its matmuls with an inner size of one are single products (broadcast products here);
+    the two true reductions over the state size (C.B and state.C) stay matmuls of ssm_attn's
+    shapes. Equal to `ssm_update` bit for bit, masked or not, in float32 and bfloat16
+    (tests/adapters/test_capture_mamba.py); used on the CPU only, where `ssm_update` runs
+    `ssm_attn` for one token (a GPU's matmul kernels are not assumed to match)."""
+    rows, _, heads, head_dim = x.shape
+    groups, size = B.shape[-2:]
+    repeat = heads // groups
+    dt = compute_dt(dt, dt_bias, time_step_limit)  # [rows, 1, heads], float32
+    dtA = dt * (-mx.exp(A_log).astype(dt.dtype)).reshape(1, 1, -1)
+    dtx = dt.reshape(rows, 1, heads, 1) * x
+    CB = mx.repeat(
+        mx.swapaxes(C, 1, 2) @ mx.transpose(B, (0, 2, 3, 1)), repeat, axis=1
+    )  # [rows, heads, 1, 1]
+    decayed = dtx
+    if mask is not None:
+        dtA = dtA * mask[..., None]
+        keep = mx.exp(mx.where(mask, 0.0, -float("inf"))).reshape(rows, 1, 1, 1)
+        CB, decayed = CB * keep, dtx * keep
+    y = CB.reshape(rows, 1, heads, 1) * dtx
+    state_in = decayed.reshape(rows, heads, head_dim, 1) * mx.repeat(B, repeat, axis=2).reshape(
+        rows, heads, 1, size
+    )
+    decay = mx.exp(dtA)  # [rows, 1, heads]
+    state_out = state_in + decay[:, -1, :, None, None] * state
+    previous = state.reshape(rows, 1, groups, repeat, head_dim, size) @ C.reshape(rows, 1, groups, 1, size, 1)
+    y = y + decay[..., None] * previous.squeeze(-1).flatten(2, 3)
+    return y.astype(x.dtype) + x * D.reshape(1, 1, heads, 1), state_out
 
 
 # mlx-lm layer class -> its capturing subclass (merged into melix_mlx.runtime.capture.CAPTURING)
