@@ -20,8 +20,11 @@ For each family:
   buffer of another length than mlx-lm's, batched matmuls in another order): single
   sequence (windows compared over the positions a window holds) and batched (each row
   extracted), no replay;
+- a finished row hands back its windows in mlx-lm's form, holding exactly its
+  `all_tokens`, and a continuation inserted on them decodes as mlx-lm does;
 - a 4-bit converted checkpoint keeps identity; a quantized KV cache is refused for the
-  window (typed, `unsupported_quantization`), not for the family.
+  window (typed, `unsupported_quantization`), not for the family;
+- deepseek_v41 stays refused, with its reasons (its cache kind refused typed).
 """
 
 from __future__ import annotations
@@ -413,3 +416,39 @@ def test_deepseek_v41_stays_refused_with_its_reasons() -> None:
         text = rollback.refusal(cache, batched=batched)
         assert text is not None and text.startswith(RefusalReason.unsupported_cache_sharing.value)
         assert "layer_cache" in text and "LayerCache" in text
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_finished_rows_hand_back_their_windows(loaded, family):
+    """A row that ends hands back mlx-lm's form of its caches (a window as RotatingKVCache,
+    its last W positions), holding exactly `all_tokens`: the prompt and every token but the
+    last; inserted again with a continuation, it decodes as mlx-lm does over the whole text."""
+    _, model, _, head, _ = loaded[family]
+    hidden = main_parts(model).args.hidden_size
+    scripts = [p + reference(model, p, N + 4) for p in PROMPTS]
+    gen = MTPBatchGenerator(model, ScriptedHead(scripts, VOCAB_SIZE, hidden), num_draft_tokens=2)
+    uids = gen.insert(PROMPTS, max_tokens=[N, N - 3, N - 1])
+    finished, last = {}, {}
+    while gen.batch.uids or gen._queue:
+        for r in gen.next()[1]:
+            last[r.uid] = r.token
+            if r.finish_reason is not None:
+                finished[r.uid] = r
+    gen.close()
+    for uid, prompt in zip(uids, PROMPTS, strict=True):
+        done = finished[uid]
+        assert done.all_tokens[: len(prompt)] == prompt and len(done.all_tokens) > WINDOW
+        clean = make_prompt_cache(model)
+        for t in done.all_tokens:
+            model(mx.array([[t]]), cache=clean)
+        assert [type(c) for c in done.prompt_cache] == [type(c) for c in clean]
+        assert _window_diff(done.prompt_cache, clean) < TOLERANCE
+    done = finished[uids[0]]
+    more = [last[uids[0]], 60, 61, 62]  # the last emitted token, then the caller's new text
+    again = MTPBatchGenerator(model, head, num_draft_tokens=3)
+    (uid,) = again.insert([more], max_tokens=[12], caches=[done.prompt_cache], all_tokens=[done.all_tokens])
+    got: list[int] = []
+    while again.batch.uids or again._queue:
+        got += [r.token for r in again.next()[1] if r.uid == uid]
+    again.close()
+    assert got == reference(model, done.all_tokens + more, 12)
