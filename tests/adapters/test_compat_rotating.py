@@ -3,9 +3,10 @@
 Greedy output equals mlx-lm's own `max_kv_size` decoding token for token (windows small
 enough to wrap many times, depths 1-3, a head wrong every third draft so rollbacks run);
 the windowed reference differs from the unwindowed one, so the comparison sees whether
-the window is applied. A batch with rotating caches is refused, typed, as
-spec/rollback.toml names it (windows from a checkpoint's own config, batched and quantized:
-tests/adapters/test_compat_sliding_layers.py).
+the window is applied. A batch with `max_kv_size` (a window keeping its first tokens,
+`rotating_keep`, which mlx-lm's batch cache drops) is refused, typed, as
+spec/rollback.toml names it (windows from a checkpoint's own config, batched and
+quantized: tests/adapters/test_compat_sliding_layers.py, test_batched_windows.py).
 """
 
 from __future__ import annotations
@@ -81,4 +82,5 @@ def test_batched_max_kv_size_refused_typed(tiny_checkpoint) -> None:
     model, _, head, _ = load_with_heads(tiny_checkpoint("mimo"))
     gen = MTPBatchGenerator(model, head, max_kv_size=8)
     assert gen.refusal.startswith(RefusalReason.unsupported_cache_sharing.value)
+    assert "rotating_keep" in gen.refusal  # the kept prefix, not the window, is refused
     gen.close()
