@@ -17,6 +17,8 @@ On a tiny checkpoint written in each family's Hugging Face layout, with ``index_
   joiner, a removed row);
 - after rejecting cycles the main cache (both parts of every layer's CacheList) equals
   a clean run fed only the confirmed tokens, bit for bit, with no replay forward;
+  batched rows accepting all, some and nothing keep each row's two caches equal to a clean
+  single run (1e-4);
 - a two-layer head chains its second layer on a CacheList of its own (no fault);
 - 4-bit weights keep identity; a quantized KV cache is refused typed (latent attention);
 - sampled decoding draws the first two tokens from the target's exact joint (G-test as in
@@ -373,6 +375,38 @@ def test_rollback_cache_equals_clean_run(dsa_heads, family, monkeypatch):
         tokenwise = clean_cache(model, [[t] for chunk in kept for t in chunk])
         assert max_diff(decoder.cache, tokenwise) == 0.0, name
         assert decoder.stats["replay_forwards"] == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_rows_roll_back_both_caches_in_isolation(dsa_heads, family):
+    """Rows accepting all, some and nothing share verify steps; each row's CacheList
+    (latent and indexer keys) then equals a clean single-sequence run over its tokens."""
+    _, model, _, _, _ = dsa_heads[family]
+    prompts = [PROMPTS[0], PROMPTS[1], LONG[:9]]
+    refs = [reference(model, p, N + 6) for p in prompts]
+    dim = main_parts(model).args.hidden_size
+    exact = ScriptedHead([prompts[0] + refs[0]], VOCAB_SIZE, dim)
+    wrong = ScriptedHead([prompts[1] + refs[1]], VOCAB_SIZE, dim, wrong_every=3)
+    row1, right = tuple(prompts[1][1:]), exact.predict
+
+    def predict(prefix):  # row 0 exact, row 1 wrong every third position, row 2 unscripted
+        return wrong.predict(prefix) if tuple(prefix[: len(row1)]) == row1 else right(prefix)
+
+    exact.predict = predict
+    gen = MTPBatchGenerator(model, exact, num_draft_tokens=3, max_tokens=N + 6)
+    uids = gen.insert(prompts)
+    for _ in range(4):
+        gen.next()
+    rates = [row.counters.acceptance_rate for row in gen.batch]
+    assert rates[0] == 1.0 and 0.0 < rates[1] < 1.0 and rates[2] == 0.0
+    for uid, (cache, context) in gen.extract_cache(set(uids)).items():
+        clean = make_prompt_cache(model)
+        model(mx.array([context[:-1]]), cache=clean)
+        model(mx.array([context[-1:]]), cache=clean)
+        for got, want in zip(rollback.leaves(cache), rollback.leaves(clean), strict=True):
+            n = want.offset
+            assert got.offset == n, uid
+            assert mx.allclose(got.keys[..., :n, :], want.keys[..., :n, :], atol=1e-4).item(), uid
 
 
 # -- quantized weights --------------------------------------------------------------------------
