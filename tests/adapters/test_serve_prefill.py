@@ -150,3 +150,70 @@ def test_chunking_keeps_the_system_prompt_a_reusable_prefix(url: str, served: An
     second = ask("Who is the captain of the ship today?")
     assert first.usage.prompt_tokens > 8 * CHUNK
     assert second.usage.prompt_tokens_details.cached_tokens >= 7 * CHUNK  # the system prompt's prefix
+
+
+def test_a_short_stream_starts_before_a_long_prefill_ends(served: Any) -> None:
+    """Prefill by a time budget per step: with no token cap on a step's prefill (one
+    4,096-token chunk), a ~900-token prompt is still prefilled in many short pieces, and a
+    short stream that arrives after it began gets its first token before that prefill ends.
+    (Without the budget the long prompt is one piece and the short stream waits behind it.)"""
+    from melix_mlx.serve.limits import ServeLimits
+
+    limits = ServeLimits(prefill_chunk_tokens=4096, prefill_budget_s=0.02)
+    with serving(served, max_batch_size=4, limits=limits) as running:
+        host, port = host_port(running.url)
+        conn = http.client.HTTPConnection(host, port, timeout=TIMEOUT_S)
+        prompt = long_prompt(served, "A long prompt prefilled in timed pieces.", 900)
+        body = json.dumps({"prompt": prompt, "max_tokens": 1, "stream": True}).encode()
+        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        progress: list[float] = []
+        long_first: list[float] = []
+
+        def read_long() -> None:
+            for line in response.fp:
+                if line.startswith(b": keepalive"):
+                    progress.append(time.monotonic())
+                elif line.startswith(b"data: {"):
+                    long_first.append(time.monotonic())
+                    return
+
+        reader = threading.Thread(target=read_long, daemon=True)
+        reader.start()
+        assert wait_until(lambda: len(progress) >= 1, timeout=TIMEOUT_S), "no prefill progress"
+        assert not long_first, "the long prefill ended before the test could start the short stream"
+        stream = client(running.url).completions.create(
+            model="stdlib-tiny", prompt="Once upon a time", max_tokens=4, stream=True
+        )
+        short_first = None
+        for _ in stream:
+            short_first = short_first or time.monotonic()
+        reader.join(TIMEOUT_S)
+        conn.close()
+        assert long_first and short_first is not None
+        assert short_first < long_first[0], (short_first - long_first[0], len(progress))
+        assert len([t for t in progress if t > short_first]) >= 1  # the long prefill went on after it
+
+
+def test_prompts_are_tokenized_off_the_generation_thread(served: Any) -> None:
+    """Every chat template and encoding of a request runs on the tokenizer thread."""
+    import copy
+    from dataclasses import replace
+
+    tokenizer = copy.copy(served.tokenizer)
+    threads: list[str] = []
+    encode = tokenizer._tokenizer.encode
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return encode(*args, **kwargs)
+
+    inner = copy.copy(tokenizer._tokenizer)
+    inner.encode = recorded
+    tokenizer._tokenizer = inner
+    with serving(replace(served, tokenizer=tokenizer), max_batch_size=2) as running:
+        c = client(running.url)
+        c.completions.create(model="stdlib-tiny", prompt="Once upon a time", max_tokens=2)
+        hello = [{"role": "user", "content": "Hi"}]
+        c.chat.completions.create(model="stdlib-tiny", messages=hello, max_tokens=2)
+    assert len(threads) >= 2 and all(name.startswith("melix-tokenize") for name in threads), threads

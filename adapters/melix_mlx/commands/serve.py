@@ -54,6 +54,7 @@ LIMIT_FLAGS = (
     ("--request-timeout", "request_timeout_s", float, "seconds a request may run before it is cancelled"),
     ("--drain-timeout", "drain_timeout_s", float, "seconds started requests may finish after SIGTERM"),
     ("--prefill-chunk-tokens", "prefill_chunk_tokens", int, "prompt tokens a request prefills per step"),
+    ("--prefill-budget", "prefill_budget_s", float, "seconds of prompt prefill per step, measured"),
     ("--limit-concurrency", "limit_concurrency", int, "open connections (503 beyond)"),
     ("--timeout-keep-alive", "timeout_keep_alive_s", int, "seconds an idle connection stays open"),
     ("--head-timeout", "head_timeout_s", float, "seconds a request's head may take to arrive"),

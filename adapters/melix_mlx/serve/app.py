@@ -130,6 +130,7 @@ class RunningServer:
             self.thread.join(STOP_TIMEOUT_S)
         self.sock.close()
         self.generator.stop(STOP_TIMEOUT_S)
+        self.state.tokenizing.close()
 
 
 def start_server(
@@ -207,7 +208,8 @@ def start_generator(
     metrics = ServeMetrics(served.controller, served.method)
     return generator_class(
         provider, LRUPromptCache(settings.prompt_cache_size), metrics,
-        queue_size=max_batch_size + limits.max_queue, prefill_chunk=limits.prefill_chunk_tokens, **options,
+        queue_size=max_batch_size + limits.max_queue, prefill_chunk=limits.prefill_chunk_tokens,
+        prefill_budget_s=limits.prefill_budget_s, **options,
     )
 
 

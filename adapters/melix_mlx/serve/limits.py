@@ -27,6 +27,7 @@ class ServeLimits:
     request_timeout_s: float = 600.0  # a request still running after this is cancelled
     drain_timeout_s: float = 30.0  # on SIGTERM/SIGINT, how long started requests may finish
     prefill_chunk_tokens: int = 256  # a prompt is prefilled in chunks of at most this
+    prefill_budget_s: float = 0.25  # and each step prefills at most about this long (measured)
     limit_concurrency: int = 256  # open connections (uvicorn answers 503 beyond)
     timeout_keep_alive_s: int = 5  # an idle keep-alive connection is closed after this
     max_header_bytes: int = 16 * 1024  # h11's cap on a request's head
@@ -68,7 +69,8 @@ def check(limits: ServeLimits) -> list[str]:
     for name in ("max_logit_bias", "max_queue", "timeout_keep_alive_s"):
         if getattr(limits, name) < 0:
             problems.append(f"--{name.replace('_', '-')} must be >= 0")
-    for name in ("request_timeout_s", "drain_timeout_s", "head_timeout_s", "body_timeout_s"):
+    for name in ("request_timeout_s", "drain_timeout_s", "head_timeout_s", "body_timeout_s",
+                 "prefill_budget_s"):
         if not getattr(limits, name) > 0:
             problems.append(f"--{name.replace('_s', '').replace('_', '-')} must be > 0")
     if limits.max_prompt_tokens is not None and limits.max_prompt_tokens < 1:

@@ -46,6 +46,7 @@ class ServedRequest(CompletionRequest):
 
     max_prompt_tokens: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
+    tokenized: tuple | None = None  # mlx-lm's `_tokenize` result, made on the HTTP side
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..runtime.distributed import EXIT_RANK_FAILED, DistributedError, PeerLost, rank_error
+from .prompt_work import PrefillBudget
 from .runtime import RequestCancelled, ServingResponseGenerator, SpeculativeContext
 
 RANK_TIMEOUT_S = 60.0  # a collective that has not returned by then: a rank died or hung
@@ -189,6 +190,7 @@ class DistributedResponseGenerator(ServingResponseGenerator):
         generator.committed = self._committed
         generator.fatal_errors = True
         generator.heartbeat = self.watchdog.beat  # the bound is per step (see the rules)
+        generator.budget = PrefillBudget(None, self.prefill_chunk)  # fixed chunks: the same cuts on each rank
         return generator
 
     # -- the loop, its end, its loss ---------------------------------------------------

@@ -8,8 +8,9 @@ Rules of this module:
   /v1/melix/receipt, /metrics; the OpenAPI schema at /openapi.json (no docs pages:
   they would load scripts from a CDN).
 - A POST is read within the body limit (413) and deadline (408), decoded as UTF-8 JSON (400), checked
-  (melix_mlx.serve.protocol), admitted (melix_mlx.serve.admission: 429/503), then
-  answered from its `Submission`. A prompt the generation thread refuses is a 400; a
+  (melix_mlx.serve.protocol), tokenized on the tokenizer thread (melix_mlx.serve.prompt_work:
+  a prompt the template or the prompt limit refuses is a 400), admitted
+  (melix_mlx.serve.admission: 429/503), then answered from its `Submission`. A
   fault in the request's own decoding a 500 (non-streamed) or a final error event
   (streamed: the 200 is out), and the server goes on.
 - A client that disconnects cancels its request in any state (a watcher task reads
@@ -32,6 +33,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from mlx_lm.server import ResponseGenerator
 
 from melix_fsm.request import RequestEvent
 
@@ -44,6 +46,7 @@ from .jsonout import dumps
 from .limits import ServeLimits
 from .metrics import CONTENT_TYPE
 from .privacy import FINGERPRINT, redact, scrub
+from .prompt_work import Tokenizing, tokenize
 from .protocol import Defaults, Parsed, parse
 from .schemas import chat_body, completion_body, count_tokens_body, messages_body
 from .session import Aborted, Submission, is_bad_input
@@ -64,6 +67,7 @@ class ServeState:
     defaults: Defaults
     created: int = field(default_factory=lambda: int(time.time()))
     ranks: int = 1  # processes the model is sharded over (melix_mlx.serve.ranks)
+    tokenizing: Tokenizing = field(default_factory=Tokenizing)  # the tokenizer thread (prompt_work)
 
 
 async def read_json(request: Request, limit: int, timeout_s: float) -> Any:
@@ -141,8 +145,10 @@ async def stream_events(state: ServeState, sub: Submission, asm: Assembler, watc
 
 
 async def accept(state: ServeState, request: Request, parsed: Parsed) -> tuple[Submission, asyncio.Task, Any]:
-    """Admit `parsed` and wait for its context (the generation thread took it); the
-    submission, its disconnect watcher and the context. On a refusal both are released."""
+    """Tokenize `parsed` (off the generation thread), admit it and wait for its context
+    (the generation thread took it); the submission, its disconnect watcher and the
+    context. On a refusal both are released."""
+    parsed.request.tokenized = await tokenized(state, parsed.request, parsed.args)
     sub = Submission(parsed, asyncio.get_running_loop(), state.limits.request_timeout_s)
     state.admission.admit(sub)
     watcher = asyncio.create_task(watch_disconnect(request, sub, state.admission))
@@ -158,6 +164,18 @@ async def accept(state: ServeState, request: Request, parsed: Parsed) -> tuple[S
         if sub.ctx is None:
             watcher.cancel()
             state.admission.release(sub)
+
+
+async def tokenized(state: ServeState, request: Any, args: Any, checked: bool = True) -> tuple:
+    """The request's tokens, made on the tokenizer thread (melix_mlx.serve.prompt_work);
+    a prompt the template or the limit refuses is a 400."""
+    fn = tokenize if checked else ResponseGenerator._tokenize  # unchecked: count_tokens
+    try:
+        return await state.tokenizing.run(fn, state.generator, state.served.tokenizer, request, args)
+    except Exception as exc:
+        if is_bad_input(exc):
+            raise ApiError(400, redact(str(exc)), code="invalid_prompt") from None
+        raise fault_error(exc) from None
 
 
 async def drain_responses(sub: Submission, feed: Any) -> None:
@@ -246,18 +264,10 @@ async def messages(state: ServeState, request: Request) -> Response:
 
 async def count_tokens(state: ServeState, request: Request) -> dict[str, Any]:
     """POST /v1/messages/count_tokens: the prompt's tokens under the chat template."""
-    from mlx_lm.server import ResponseGenerator
-
     body = await read_json(request, state.limits.max_body_bytes, state.limits.body_timeout_s)
     served, kwargs = parse_count(body, limits=state.limits, names=state.names)
     args = types.SimpleNamespace(chat_template_kwargs=kwargs)
-    tokenize = ResponseGenerator._tokenize  # mlx-lm's own, without the server's prompt limit
-    try:
-        prompt = (await asyncio.to_thread(tokenize, state.generator, state.served.tokenizer, served, args))[0]
-    except Exception as exc:
-        if is_bad_input(exc):
-            raise ApiError(400, redact(str(exc)), code="invalid_prompt") from None
-        raise fault_error(exc) from None
+    prompt = (await tokenized(state, served, args, checked=False))[0]  # counted, whatever its length
     return {"input_tokens": len(prompt)}
 
 

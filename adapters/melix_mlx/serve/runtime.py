@@ -12,21 +12,19 @@ Rules of this module:
 - One generation thread, fed by a bounded queue (`submit`; `queue.Full` when it is
   full). Each request's responses go to an `AsyncResponseQueue`: the generation thread
   puts, the HTTP event loop reads, and no HTTP thread ever blocks on a request.
-- Before a request is prefilled (`_tokenize`, in the generation thread): a request
-  cancelled while it waited is dropped, and a prompt that tokenizes to nothing or to
-  more than its `max_prompt_tokens` is refused (`PromptRejected`, a 400).
-- Fair prefill (melix_mlx.serve.chunks): every prompt is inserted as segments of at
-  most `prefill_chunk` tokens, one prefilled per step between the running rows' decode
-  steps; only real segment boundaries are reported to mlx-lm's loop as such.
+- Before a request is prefilled (`_tokenize`): a request cancelled while it waited is
+  dropped; its tokens were made on the HTTP side (melix_mlx.serve.prompt_work), else
+  here, where an empty or too long prompt is refused (`PromptRejected`, a 400).
+- Fair prefill (melix_mlx.serve.chunks, prompt_work): each step prefills what its time
+  budget allows (`PrefillBudget`; ranks cut fixed chunks) between the decode steps;
+  only real segment boundaries are reported to mlx-lm's loop as such.
 - Cancellation in any state: a stopped context's row leaves at its next response (mlx-lm's
   loop); a stopped request still waiting in the generator's queue is removed there
   (`remove`) and given a progress response, so the loop forgets it.
-- Every request joins the batch, a seeded one too, with its own random stream
-  (melix_mlx.serve.seeded builds each row's sampler and processors: `_make_sampler`
-  and `_make_logits_processors` are substituted in mlx-lm's loop). Only a model whose
-  caches cannot be batched runs mlx-lm's plain single-sequence path, without MTP; its
-  usage says so (method "none" and the reason). That path sees the prompt cache through
-  `PartialHits` (a full hit leaves one token).
+- Every request joins the batch, a seeded one with its own random stream (its sampler and
+  processors: melix_mlx.serve.seeded). Only a model whose caches cannot be batched runs
+  mlx-lm's plain path, without MTP, and its usage says so; that path sees the prompt
+  cache through `PartialHits` (a full hit leaves one token).
 - A request's context is bound to its batch uid when mlx-lm inserts it (the context is
   built just before, in the same generation thread). A finishing row writes its
   speculative usage into the context before mlx-lm queues its last response, so the
@@ -36,11 +34,9 @@ Rules of this module:
 - Failures stay with their request: an insertion that raises fails its request only; each
   row's logits processors are guarded, so one that raises records the failure and the
   batched step completes for the other rows; a request whose prefill raises is dropped
-  by the generator (melix_mlx.decoding.batch_surface). After the step the failed rows leave the
-  batch, their exception goes to their response queue (the handler answers 500) and a
-  progress response lets mlx-lm's loop forget them.
-  An exception of the batched step itself ends the rows in that step the same way; the
-  queue and the server go on.
+  (melix_mlx.decoding.batch_surface). After the step the failed rows leave the batch,
+  their exception goes to their response queue (a 500) and a progress response lets
+  mlx-lm's loop forget them; an exception of the batched step itself ends its rows so.
 """
 
 from __future__ import annotations
@@ -64,12 +60,9 @@ from melix_fsm.errors import MelixError
 from ..decoding.batch_generator import MTPBatchGenerator
 from .chunks import split_segments
 from .plain_path import PartialHits
+from .prompt_work import Clock, PrefillBudget, tokenize
 from .seeded import row_processors, row_sampler
 from .usage import PLAIN_PATH_REASON, speculative_usage
-
-
-class PromptRejected(MelixError, ValueError):
-    """The tokenized prompt is empty or longer than the server's limit (a 400)."""
 
 
 class RequestCancelled(MelixError):
@@ -139,10 +132,12 @@ class ServingBatchGenerator(MTPBatchGenerator):
         metrics: Any,
         method: str = "mtp",
         prefill_chunk: int = 256,
+        prefill_budget_s: float | None = None,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
         self.prefill_chunk = prefill_chunk
+        self.budget = PrefillBudget(prefill_budget_s, prefill_chunk)
         self._boundaries: dict[int, set[int]] = {}  # uid -> real segment ends (see chunks)
         self.method = method  # what fills the head slot: "mtp" or "draft_model"
         self.contexts = contexts  # uid -> SpeculativeContext
@@ -159,7 +154,8 @@ class ServingBatchGenerator(MTPBatchGenerator):
     def insert_segments(self, segments: list, *args: Any, **kwargs: Any) -> list[int]:
         first = self.next_uid
         held = kwargs.get("all_tokens") or [[] for _ in segments]
-        cut = [split_segments(seq, len(h), self.prefill_chunk) for seq, h in zip(segments, held)]
+        last = self.budget.piece()  # the piece prefilled when the row joins: within the budget too
+        cut = [split_segments(seq, len(h), self.prefill_chunk, last) for seq, h in zip(segments, held)]
         segments = [pieces if pieces else seq for (pieces, _), seq in zip(cut, segments)]
         processors = kwargs.get("logits_processors")
         if processors:
@@ -177,6 +173,14 @@ class ServingBatchGenerator(MTPBatchGenerator):
             if ctx is not None:
                 self.contexts[uid] = ctx
         return uids
+
+    def _prefill_segments(self) -> list[PromptProcessingBatch.Response]:
+        """The segment stage within the step's time budget (melix_mlx.serve.prompt_work)."""
+        tokens = self.budget.cut([r for r in self._queue if r.segments][: self.prefill_batch_size])
+        with Clock() as clock:
+            responses = super()._prefill_segments()
+        self.budget.observe(tokens, clock.seconds)
+        return responses
 
     def _guard(self, uid: int, processor: Any) -> Any:
         def guarded(tokens: Any, logits: Any) -> Any:
@@ -284,11 +288,13 @@ class ServingResponseGenerator(ResponseGenerator):
         *,
         queue_size: int = 0,
         prefill_chunk: int = 256,
+        prefill_budget_s: float | None = None,
     ) -> None:
         self.served = model_provider.served
         self.metrics = metrics
         self.queue_size = queue_size  # 0: unbounded (the HTTP side bounds it too)
         self.prefill_chunk = prefill_chunk
+        self.prefill_budget_s = prefill_budget_s
         self.contexts: dict[int, SpeculativeContext] = {}
         self._pending: list[SpeculativeContext] = []
         self.batch_generator: ServingBatchGenerator | None = None  # the latest one built
@@ -319,13 +325,8 @@ class ServingResponseGenerator(ResponseGenerator):
         cancelled = getattr(request, "cancelled", None)
         if cancelled is not None and cancelled.is_set():
             raise RequestCancelled("cancelled while queued")
-        out = super()._tokenize(tokenizer, request, args)
-        prompt, limit = out[0], getattr(request, "max_prompt_tokens", 0)
-        if not len(prompt):
-            raise PromptRejected("the prompt is empty after tokenization")
-        if limit and len(prompt) > limit:
-            raise PromptRejected(f"the prompt has {len(prompt)} tokens; this server accepts at most {limit}")
-        return out
+        given = getattr(request, "tokenized", None)
+        return given if given is not None else tokenize(self, tokenizer, request, args)
 
     def substitutions(self) -> dict[str, Any]:
         """Names replaced in mlx-lm's generation loop (a subclass may add more)."""
@@ -389,17 +390,10 @@ class ServingResponseGenerator(ResponseGenerator):
     def _make_batch_generator(self, model: Any, **options: Any) -> ServingBatchGenerator:
         served = self.served
         self.batch_generator = ServingBatchGenerator(
-            model,
-            served.head,
-            num_draft_tokens=served.num_draft_tokens,
-            refusal=served.refusal,
-            controller=served.controller,
-            contexts=self.contexts,
-            pending=self._pending,
-            metrics=self.metrics,
+            model, served.head, num_draft_tokens=served.num_draft_tokens, refusal=served.refusal,
+            controller=served.controller, contexts=self.contexts, pending=self._pending, metrics=self.metrics,
             method=served.requested_method,
             objective="throughput",  # requests keep arriving: every emitted token counts
-            prefill_chunk=self.prefill_chunk,
-            **options,
+            prefill_chunk=self.prefill_chunk, prefill_budget_s=self.prefill_budget_s, **options,
         )
         return self.batch_generator

@@ -28,8 +28,9 @@ from mlx_lm.server import Response
 from melix_fsm.errors import MelixError
 from melix_fsm.request import RequestEvent, RequestState, new_request
 
+from .prompt_work import PromptRejected
 from .protocol import Parsed
-from .runtime import AsyncResponseQueue, PromptRejected, RequestCancelled, SpeculativeContext
+from .runtime import AsyncResponseQueue, RequestCancelled, SpeculativeContext
 
 FAULT_TYPES = (ValueError, TypeError, KeyError, IndexError)  # bad input found while tokenizing
 
