@@ -295,3 +295,28 @@ def test_the_decoders_keys_are_the_records_fields(loaded):
     data = decoder.stats
     assert set(data) == set(GenerationStats.__struct_fields__) - {"schema"}
     assert set(data["policy"]) == set(PolicyStats.__struct_fields__)
+
+
+def test_a_failed_calibration_is_kept_a_while_in_one_process(loaded, calibrations, monkeypatch):
+    """A busy machine fails the measurement: later calls decode plainly at once, saying why,
+    instead of spending the budget again; after FAILURE_RETRY_S it is measured again."""
+    from melix_mlx.decoding import activation, calibration_cache
+
+    from melix_fsm.policy.errors import CalibrationError
+
+    calls = []
+
+    def failing(*a, **kw):
+        calls.append(1)
+        return CalibrationError("measurement_timeout", "30.3 s spent, budget 30 s")
+
+    monkeypatch.setattr(activation, "calibrate", failing)
+    for _ in range(2):
+        out = _stream(loaded, num_draft_tokens=3, device_policy="auto")
+        assert out[-1].receipt.refusal_reason == "device_policy_disabled" and out[-1].stats.proposed == 0
+        assert "measurement_timeout" in out[-1].receipt.message
+    assert len(calls) == 1
+    assert not list(calibration_cache.cache_root().glob("*.json"))  # never stored on disk
+    monkeypatch.setattr(calibration_cache, "FAILURE_RETRY_S", 0.0)
+    _stream(loaded, num_draft_tokens=3, device_policy="auto")
+    assert len(calls) == 2

@@ -6,8 +6,11 @@ Rules of this module:
   library doing the matmuls, and on what was timed (batch size, depth, context). The key
   is all of these; any change is a miss and the figures are measured again. The model
   is named by its resolved path and each weight and config file's name, size and mtime.
-- Only a measured `TimingTable` is stored. A failed calibration is not: the next start
-  measures again (and the controller disables on the failure, as without a cache).
+- Only a measured `TimingTable` is stored on disk. A failed calibration is not: the next
+  process measures again (and the controller disables on the failure, as without a
+  cache). Within one process a failure is kept for FAILURE_RETRY_S and then measured
+  again: a library that decodes prompt after prompt on a machine too busy to measure
+  would otherwise spend the whole budget on every call.
 - One JSON file per key under `cache_root()`: $MELIX_FSM_CALIBRATION_CACHE, else the
   melix-fsm cache dir (melix_fsm.commands.paths) / "calibration". The value "off"
   disables the cache. A file whose stored key differs from the asked key (a hash
@@ -26,6 +29,7 @@ import hashlib
 import json
 import os
 import platform
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,7 +40,9 @@ from melix_fsm.policy.cost_model import TimingTable
 
 CACHE_ENV = "MELIX_FSM_CALIBRATION_CACHE"
 LAYOUT = 1  # bump when the key or the stored record changes shape
+FAILURE_RETRY_S = 300.0  # a failed calibration is not measured again within this, in one process
 _MEMO: dict[Path, TimingTable] = {}  # by file: a memo never outlives a change of directory
+_FAILED: dict[Path, tuple[float, Any]] = {}  # file -> (when, the typed failure)
 
 
 def cache_root() -> Path | None:
@@ -188,9 +194,16 @@ class CalibrationCache:
         table = self.load(key)
         if table is not None:
             return table, self.file_of(key)
+        target = self.file_of(key)
+        failed = _FAILED.get(target)
+        if failed is not None and time.monotonic() - failed[0] < FAILURE_RETRY_S:
+            return failed[1], None  # the same typed failure: the receipt quotes it again
         result = measure(key["context"])
         if isinstance(result, TimingTable):
             self.store(key, result)
+            _FAILED.pop(target, None)
+        else:
+            _FAILED[target] = (time.monotonic(), result)
         return result, None
 
 
