@@ -59,6 +59,7 @@ def test_smoke_passes_in_bfloat16(capsys: pytest.CaptureFixture[str]) -> None:
     assert len(report["invariance"]) == 6 and report["distribution"]["draws"] == 100
     assert report["receipt"]["mode"] == "accepted" and report["receipt"]["resolved_method"] == "mtp"
     assert "bfloat16" in report["promise"] and report["settings"]["mlx_lm"]
+    assert report["settings"]["weights"] == "dense"
 
 
 def test_a_planted_acceptance_bug_fails(
@@ -108,3 +109,4 @@ def test_the_matrix_passes(
     code, report, err = verify(capsys, "--model", target, "--dtype", cast, *SMOKE)
     assert code == 0, (report, err)
     assert report["divergence"]["bugs"] == 0
+    assert report["settings"]["weights"] == ("4-bit, group 64" if dtype == "q4" else "dense")

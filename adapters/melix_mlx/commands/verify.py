@@ -114,6 +114,17 @@ def _receipt(directory: str, k: int) -> dict[str, Any] | None:
     }
 
 
+def _weights(directory: str) -> str:
+    """ "dense", or the checkpoint's quantization (`melix-fsm convert -q` records it in config.json)."""
+    from pathlib import Path
+
+    config = json.loads((Path(directory) / "config.json").read_text())
+    q = config.get("quantization") or config.get("quantization_config")
+    if not isinstance(q, dict) or "bits" not in q:
+        return "dense"
+    return f"{q['bits']}-bit, group {q.get('group_size', '?')}"
+
+
 def _verify(args: argparse.Namespace, model: Any, head: Any, directory: str) -> int:
     from melix_mlx.tools.qa.margins import logits_dtype
     from melix_mlx.tools.qa.progress import Progress
@@ -134,6 +145,7 @@ def _verify(args: argparse.Namespace, model: Any, head: Any, directory: str) -> 
         "checkpoint": directory,
         "dtype": logits if args.dtype == "auto" else args.dtype,
         "logits_dtype": logits,
+        "weights": _weights(directory),
         "profile": args.profile,
         "seed": seed,
         "num_draft_tokens": args.num_draft_tokens,

@@ -118,7 +118,10 @@ class VerifyReport:
 
     def promise(self) -> str:
         s = self.settings
-        where = f"{s['model']} in {s['dtype']} on {s['device']} (mlx {s['mlx']}, mlx-lm {s['mlx_lm']})"
+        weights = "" if s.get("weights", "dense") == "dense" else f" with {s['weights']} weights"
+        where = (
+            f"{s['model']} in {s['dtype']}{weights} on {s['device']} (mlx {s['mlx']}, mlx-lm {s['mlx_lm']})"
+        )
         tokens = self.ledger.tokens if self.ledger is not None else s.get("tokens_compared", 0)
         if not self.ok:
             found = len(self.findings) + bool(self.distribution_failed)
@@ -154,7 +157,8 @@ class VerifyReport:
     def text(self) -> str:
         s = self.settings
         lines = [
-            f"melix-fsm verify: {s['model']} ({s['dtype']}, logits in {s['logits_dtype']}) on {s['device']}; "
+            f"melix-fsm verify: {s['model']} ({s['dtype']}, weights {s.get('weights', '?')}, logits in "
+            f"{s['logits_dtype']}) on {s['device']}; "
             f"mlx {s['mlx']}, mlx-lm {s['mlx_lm']}; profile {s['profile']}, seed {s['seed']}",
             "",
             f"{'part':<34} {'tokens':>7} {'time':>7}  result",
