@@ -12,7 +12,9 @@ KVCache, and the draft-model method (or a scripted head) speculates on it. What 
   a late joiner, a removed row, and compactions during the run; rows decoding plainly
   keep the window bounded (compacted between plain steps);
 - after rejecting cycles every row's caches equal a clean single-sequence run fed only
-  its confirmed tokens (float32 rounding of batched matmuls allowed).
+  its confirmed tokens (float32 rounding of batched matmuls allowed);
+- a quantized KV cache refuses speculation on the window, typed (mlx-lm cannot quantize
+  one), and decodes as mlx-lm does.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from compat_models import make_llama
-from decode_refs import reference
+from decode_refs import mtp, reference
 from melix_mlx.batch_generator import MTPBatchGenerator
 from melix_mlx.decoding.draft_model import DraftHead
 from melix_mlx.runtime import window_batch
@@ -32,6 +34,8 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import load_model
 from scripted_head import ScriptedHead
+
+from melix_fsm.reasons import RefusalReason
 
 WINDOW = 8
 SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": WINDOW}
@@ -243,3 +247,18 @@ def test_plain_steps_keep_the_window_bounded(models, monkeypatch) -> None:
     slack = max(window_batch.SLACK_MIN, WINDOW // 4)  # RaggedWindowKVCache.slack
     assert widths and max(widths) <= WINDOW + slack + 1
     gen.close()
+
+
+def test_a_quantized_kv_cache_refuses_the_window_typed(models) -> None:
+    """kv_bits: mlx-lm cannot quantize a window, so the decoder refuses speculation with the
+    spec's typed reason (as the receipt does) and decodes as mlx-lm does; a model without
+    windows speculates on its quantized cache."""
+    target, draft = models["target"], models["draft"]
+    prompt = PROMPTS[0]
+    quantized = {"kv_bits": 4, "kv_group_size": 16}
+    got, decoder = mtp(target, DraftHead(draft), prompt, 8, 2, **quantized)
+    assert decoder.stats["refusal"].startswith(RefusalReason.unsupported_quantization.value)
+    assert "rotating" in decoder.stats["refusal"] and decoder.stats["cycles"] == 0
+    assert got == reference(target, prompt, 8, **quantized)
+    got, decoder = mtp(draft, DraftHead(draft), prompt, 8, 2, **quantized)
+    assert decoder.stats["refusal"] is None and decoder.stats["cycles"] > 0

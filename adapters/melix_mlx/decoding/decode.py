@@ -161,7 +161,7 @@ class MTPDecoder:
             return refused
         if self.params is None:
             return refusal_text(RefusalReason.unsupported_sampler, UNKNOWN_SAMPLER)
-        return rollback.refusal(self.cache, model=self.model)
+        return rollback.refusal(self.cache, model=self.model, quantized_kv=self.kv_bits is not None)
 
     def _resolve(self) -> None:
         if self.machine.state is lc.INITIAL:

@@ -110,8 +110,14 @@ def unsupported_kinds(cache: list[Any], model: Any = None) -> list[str]:
     return sorted(bad)
 
 
-def refusal(cache: list[Any], model: Any = None, *, batched: bool = False) -> str | None:
+def refusal(
+    cache: list[Any], model: Any = None, *, batched: bool = False, quantized_kv: bool = False
+) -> str | None:
     """The typed runtime refusal (`"<reason>: <detail>"`) for caches without exact rollback.
+
+    `quantized_kv`: the decoder quantizes its KV cache (kv_bits); a kind whose quantized
+    cell is a refusal (a window: mlx-lm cannot quantize one) is refused with that reason,
+    as the receipt refuses it.
 
     The reason is the spec cell's (spec/rollback.toml) for the first refused kind; a kind
     the spec does not know, or recurrent layers without a capturing twin, are
@@ -124,6 +130,12 @@ def refusal(cache: list[Any], model: Any = None, *, batched: bool = False) -> st
             blocked = _registry().unmergeable.get(kind)
             if blocked is not None:
                 return refusal_text(blocked.refusal, f"batched cache kind {kind!r}: {blocked.message}")
+    if quantized_kv:
+        for kind in cache_kinds(cache):
+            cell = _registry().cells.get((kind, True, False))
+            if cell is not None and cell.refusal is not None:
+                detail = f"cache kind {kind!r} with a quantized KV cache: {cell.message}"
+                return refusal_text(cell.refusal, detail)
     bad = unsupported_kinds(cache, model=model)
     if not bad:
         return None
