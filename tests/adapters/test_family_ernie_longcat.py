@@ -295,3 +295,18 @@ def test_ernie_quantized_kv_cache_identity(tiny_checkpoint):
             assert any(isinstance(c, QuantizedKVCache) for c in decoder.cache)
     receipt = resolve(tiny_checkpoint("longcat_flash"), context=ServingContext(quantized_kv=True))
     assert receipt.mode != "accepted" and receipt.refusal_reason is RefusalReason.unsupported_quantization
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_verify_smoke_passes_with_the_sampled_distribution(loaded, family, capsys):
+    """`melix-fsm verify` (smoke profile): identity single and batched, batch invariance,
+    lifecycle probes, and sampled output at T = 1 following the model's distribution."""
+    from melix_fsm.cli import main
+
+    args = ["--profile", "smoke", "--draws", "100", "--seed", "1", "--json", "--quiet"]
+    code = main(["verify", "--model", str(loaded[family][0]), *args])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["verdict"] == "pass" and report["bugs"] == []
+    assert report["identity"] == "bit-exact" and report["receipt"]["family"] == family
+    assert report["distribution"]["draws"] == 100
+    assert report["parts"]["distribution (100 draws, T = 1)"]["result"] != "FAIL"
