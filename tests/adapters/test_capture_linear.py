@@ -5,7 +5,7 @@ instance armed (capturing) and unarmed (mlx-lm's `__call__`, untouched), from a 
 primed with a prompt, for blocks of 1..4 tokens and two rows:
 - the armed block's outputs and final cache arrays equal mlx-lm decoding the block one
   token at a time, bit for bit (max |diff| = 0);
-- the gated-delta kinds (Ling V3 KDA, Kimi K3) also equal mlx-lm's own block call bit for
+- the gated-delta kinds (Ling V3 KDA, Kimi K3, Kimi Linear) also equal mlx-lm's own block call bit for
   bit on this CPU; Ling 2.5's lightning layer, which mlx-lm runs in a chunked form for
   blocks, agrees with that form within 1e-5 (float32 rounding of two arithmetic orders);
 - the Ling V3 recurrence's two forms (ops step per position / mlx-lm's update per
@@ -19,6 +19,7 @@ primed with a prompt, for blocks of 1..4 tokens and two rows:
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
@@ -26,7 +27,7 @@ import pytest
 from melix_mlx.runtime import capture, capture_linear
 from melix_mlx.tools.tiny_linear import CONFIGS
 from mlx.utils import tree_flatten
-from mlx_lm.models import bailing_hybrid, bailing_moe_linear, bailing_moe_v3, kimi_k3
+from mlx_lm.models import bailing_hybrid, bailing_moe_linear, bailing_moe_v3, kimi_k3, kimi_linear
 from mlx_lm.models.cache import ArraysCache
 
 D = 64
@@ -48,6 +49,14 @@ def _kimi_k3() -> tuple[Any, int]:
     return layer, 2
 
 
+def _kimi_linear() -> tuple[Any, int]:
+    cfg = {"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4}
+    args = SimpleNamespace(hidden_size=D, rms_norm_eps=1e-6, linear_attn_config=cfg)  # what the layer reads
+    layer = kimi_linear.KimiDeltaAttention(args, layer_idx=0)
+    layer.dt_bias = mx.random.normal(layer.dt_bias.shape, key=mx.random.key(2)) * 0.5
+    return layer, 4
+
+
 def _bailing_hybrid() -> tuple[Any, int]:
     args = bailing_hybrid.ModelArgs.from_dict(CONFIGS["bailing_hybrid"])
     return bailing_hybrid.LinearAttention(args, layer_idx=0), 1
@@ -62,6 +71,7 @@ def _bailing_linear() -> tuple[Any, int]:
 KINDS = {
     "bailing_moe_v3": _bailing_v3,
     "kimi_k3": _kimi_k3,
+    "kimi_linear": _kimi_linear,
     "bailing_hybrid": _bailing_hybrid,
     "bailing_moe_linear": _bailing_linear,
 }

@@ -28,8 +28,10 @@ Rules of this module:
     padding masks, as mlx-lm does.
   * `kimi_k3.KimiK3DeltaAttention`: with a Metal device mlx-lm decodes one token through
     its own compiled step, so the armed block runs mlx-lm's whole `__call__` once per
-    position (exact on any device, the weights read once per position); so does every
-    kind above when a batch cache carries per-row `lengths` (a padded prefill's form).
+    position (exact on any device, the weights read once per position); so does Kimi
+    Linear's `kimi_linear.KimiDeltaAttention` (a family without an MTP head, which a draft
+    model may speculate on), and every kind above when a batch cache carries per-row
+    `lengths` (a padded prefill's form).
 - The two lightning layers take the RoPE offset of the block's first token (`offset`);
   position t of the block runs at `offset + t`, as it would when decoded alone.
 """
@@ -40,7 +42,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import bailing_hybrid, bailing_moe_linear, bailing_moe_v3, kimi_k3
+from mlx_lm.models import bailing_hybrid, bailing_moe_linear, bailing_moe_v3, kimi_k3, kimi_linear
 from mlx_lm.models.bailing_hybrid import _recurrent_gla_step  # pinned mlx-lm minor: pyproject
 from mlx_lm.models.gated_delta import (
     _gated_delta_step_ops,  # mlx-lm's one-position step (pinned mlx-lm minor: pyproject)
@@ -151,6 +153,17 @@ class CapturingKimiK3DeltaAttention(kimi_k3.KimiK3DeltaAttention):
         return _stepwise(super().__call__, x, mask, cache, steps)
 
 
+class CapturingKimiLinearDeltaAttention(kimi_linear.KimiDeltaAttention):
+    """mlx-lm's Kimi Linear delta attention (a no-MTP family a draft model may speculate on),
+    recording per-position state when armed: mlx-lm's whole layer once per position."""
+
+    def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
+        steps = _armed_steps(cache)
+        if steps is None:
+            return super().__call__(x, mask, cache)
+        return _stepwise(super().__call__, x, mask, cache, steps)
+
+
 class CapturingBailingHybridLinearAttention(bailing_hybrid.LinearAttention):
     """mlx-lm's Ling 2.5 lightning attention that records per-position state when armed."""
 
@@ -232,6 +245,7 @@ def _lightning_out(layer: Any, out: mx.array, x: mx.array) -> mx.array:
 CAPTURING: dict[type, type] = {
     bailing_moe_v3.BailingKDA: CapturingBailingKDA,
     kimi_k3.KimiK3DeltaAttention: CapturingKimiK3DeltaAttention,
+    kimi_linear.KimiDeltaAttention: CapturingKimiLinearDeltaAttention,
     bailing_hybrid.LinearAttention: CapturingBailingHybridLinearAttention,
     bailing_moe_linear.LinearAttention: CapturingBailingLinearAttention,
 }
