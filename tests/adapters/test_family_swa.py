@@ -452,3 +452,31 @@ def test_finished_rows_hand_back_their_windows(loaded, family):
         got += [r.token for r in again.next()[1] if r.uid == uid]
     again.close()
     assert got == reference(model, done.all_tokens + more, 12)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_single_sequence_runs_ahead_on_window_batch_form(loaded, family):
+    """With run-ahead (the GPU default) one sequence decodes on one-row batch caches, its
+    windows included (rollback in the graph), and hands them back in mlx-lm's form holding
+    the prompt and every token but the last."""
+    _, model, _, head, _ = loaded[family]
+    hidden = main_parts(model).args.hidden_size
+    rollbacks = 0
+    for k in (2, 3):
+        for prompt in (PROMPTS[0], LATE):
+            want = reference(model, prompt, N)
+            scripted = ScriptedHead(
+                [prompt + reference(model, prompt, N + 4)], VOCAB_SIZE, hidden, wrong_every=3
+            )
+            for drafter in (head, scripted):
+                cache = make_prompt_cache(model)
+                got, decoder = mtp(model, drafter, prompt, N, k, run_ahead=True, prompt_cache=cache)
+                assert got == want, (k, prompt)
+                assert decoder.stats["refusal"] is None and decoder.stats["cycles"] > 0
+                assert {type(c) for c in cache} == {KVCache, RotatingKVCache}  # handed back
+                clean = make_prompt_cache(model)
+                for t in prompt + got[:-1]:
+                    model(mx.array([[t]]), cache=clean)
+                assert _window_diff(cache, clean) < 1e-5
+                rollbacks += decoder.stats["rollbacks"]
+    assert rollbacks > 0

@@ -21,9 +21,11 @@ Rules of this module:
   it is synced, exactly as `generate_step` pipelines. After a cycle that happens with
   `run_ahead` (default on a GPU: melix_mlx.decoding.step_driver.run_ahead_default), and needs a
   rollback that runs in the graph: the sequence then decodes on
-  one-row batch caches (mlx-lm's own `merge`, melix_mlx.runtime.ragged_kv) and is handed back in
-  mlx-lm's single-sequence form when the generator ends. Logits processors (the host's
-  token history), quantized KV (host offsets) and sliding windows (their own cache)
+  one-row batch caches (mlx-lm's own `merge`, melix_mlx.runtime.ragged_kv; sliding windows
+  melix_mlx.runtime.window_batch) and is handed back in mlx-lm's single-sequence form
+  when the generator ends (a window as mlx-lm's RotatingKVCache; a head's window as a
+  window that evicts nothing again). Logits processors (the host's token history),
+  quantized KV (host offsets) and windows that keep their first tokens (`max_kv_size`)
   never run ahead.
 - A step launched ahead follows the verdict that stood at its launch. If settling the
   step before it changes the verdict (suspended, resumed, faulted, a smaller depth),
@@ -333,15 +335,20 @@ class MTPDecoder:
     def _enter_batch_form(self) -> None:
         """Run the cycles on one-row batch caches, whose rollback runs in the graph.
 
-        Only where mlx-lm's merge gives an exact one-row twin: plain KV and (captured)
-        recurrent layers, no processors, no quantized KV. Anything else stays in its
-        own form and rolls back after each sync.
+        Only where merging gives an exact one-row twin: plain KV, (captured) recurrent
+        layers and windows without a kept prefix, no processors, no quantized KV.
+        Anything else stays in its own form and rolls back after each sync.
         """
         cache, head_cache = self.engine.cache, self.engine.head_cache
         if not self.run_ahead or self.processors or self.kv_bits is not None:
             return
-        kinds = (KVCache, ArraysCache)
-        if not all(type(c) in kinds for c in cache) or not all(type(c) is KVCache for c in head_cache):
+
+        def window(c: Any) -> bool:
+            return type(c) is window_kv.WindowedKVCache and c.keep == 0
+
+        if not all(type(c) in (KVCache, ArraysCache) or window(c) for c in cache):
+            return
+        if not all(type(c) is KVCache or window(c) for c in head_cache):
             return
         self._single_form = cache
         self.engine.cache = ragged_kv.adopt(_merge_caches([cache]))
@@ -355,7 +362,7 @@ class MTPDecoder:
         for i, c in enumerate(self.engine.cache):
             single[i] = c.extract(0)
         self.engine.cache = single
-        self.engine.head_cache = [c.extract(0) for c in self.engine.head_cache]
+        self.engine.head_cache = [window_kv.single_head(c.extract(0)) for c in self.engine.head_cache]
 
     def _process(self, logits: mx.array, prompt: list[int]) -> mx.array:
         """Processed log-probabilities [1, V] of the prefill's last logits."""

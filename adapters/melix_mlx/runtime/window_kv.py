@@ -135,6 +135,16 @@ class WindowedKVCache(KVCache):
         self.keys, self.values, self.offset, self.start = v
 
 
+def single_head(c: Any) -> Any:
+    """A head's cache handed back from a batch form: its window (mlx-lm's RotatingKVCache)
+    becomes a window that evicts nothing again; anything else is returned as is."""
+    if not isinstance(c, RotatingKVCache):
+        return c
+    out = WindowedKVCache.from_rotating(c)
+    out.evicts = False
+    return out
+
+
 def adopt(cache: list[Any]) -> list[Any]:
     """Replace every RotatingKVCache leaf (in place) by its windowed form."""
     for i, c in enumerate(cache):
