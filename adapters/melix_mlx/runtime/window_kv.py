@@ -19,7 +19,9 @@ Rules of this module:
   evicted. Like a head's plain KVCache it holds the whole context.
 - `merge` builds the batch form (melix_mlx.runtime.window_batch.RaggedWindowKVCache) from
   rows without a kept prefix (a head's windows, a caller's windows); a kept prefix
-  (`keep` > 0, mlx-lm's max_kv_size) has no batch form (spec/rollback.toml).
+  (`keep` > 0, mlx-lm's max_kv_size) has no batch form (spec/rollback.toml). A head's
+  window handed back from a batch form (mlx-lm's RotatingKVCache) becomes an unevicted
+  window again (`single_head`).
 - Quantizing a window is refused, as mlx-lm refuses it (`to_quantized` raises
   NotImplementedError).
 """
