@@ -262,6 +262,7 @@ def run_verify(
 
     tell = progress or (lambda kind, value: None)
     seed = int(settings["seed"])
+    mx.random.seed(seed)  # the sampled draws replay with the seed too
     top = min(int(settings["vocab_size"]), 1000) - 1
     report = VerifyReport(dict(settings), contract, judge.ledger if judge is not None else None)
     reference = memoized(mlx_greedy_reference(model, min_tokens=profile["max_tokens"]))
