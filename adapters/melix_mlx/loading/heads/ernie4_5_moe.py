@@ -17,7 +17,9 @@ Rules:
   code's form (every MTP output is normed by the shared final norm before the shared
   lm_head) and Baidu's serving engine's; vLLM's and SGLang's ports skip the norm.
 - The embedding and lm_head are the main model's. The hidden state read is the main
-  model's post-norm one (what every serving engine passes). Depth k > 1 chains the
+  model's post-norm one: what the serving engines (vLLM, SGLang, FastDeploy) pass and this
+  project's head interface gives (the training loop feeds the last layer's output before
+  the final norm; ``mtp_hidden_norm`` renormalises either). Depth k > 1 chains the
   PRE-norm block output (the training loop feeds the block output to the next depth's
   ``mtp_hidden_norm``).
 """
