@@ -19,7 +19,8 @@ Rules:
 - The embedding and lm_head are the main model's. The hidden state read is the main
   model's post-norm one: what the serving engines (vLLM, SGLang, FastDeploy) pass and this
   project's head interface gives (the training loop feeds the last layer's output before
-  the final norm; ``mtp_hidden_norm`` renormalises either). Depth k > 1 chains the
+  the final norm: after ``mtp_hidden_norm`` the two differ by the final norm's weight).
+  Depth k > 1 chains the
   PRE-norm block output (the training loop feeds the block output to the next depth's
   ``mtp_hidden_norm``).
 """
