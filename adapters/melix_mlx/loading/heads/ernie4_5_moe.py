@@ -20,9 +20,8 @@ Rules:
   model's post-norm one: what the serving engines (vLLM, SGLang, FastDeploy) pass and this
   project's head interface gives (the training loop feeds the last layer's output before
   the final norm: after ``mtp_hidden_norm`` the two differ by the final norm's weight).
-  Depth k > 1 chains the
-  PRE-norm block output (the training loop feeds the block output to the next depth's
-  ``mtp_hidden_norm``).
+  Depth k > 1 chains the PRE-norm block output (the training loop feeds the block output
+  to the next depth's ``mtp_hidden_norm``).
 """
 
 from __future__ import annotations
