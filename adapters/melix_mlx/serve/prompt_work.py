@@ -6,15 +6,18 @@ Rules of this module:
   generation thread never tokenizes, and an empty or too long prompt is refused (400)
   before it takes a place in the queue. The generation thread takes the tokens as given
   (`ServedRequest.tokenized`); a sharded server's ranks receive them with the request.
-- Each generator step spends at most `budget_s` of prefill on queued prompts
-  (`PrefillBudget`): a pending segment longer than what the budget allows is cut, and
-  the rest waits for the next step, between the running rows' decode steps. What the
+- While rows decode or other requests wait, each generator step spends at most about
+  `budget_s` of prefill on queued prompts (`PrefillBudget`): a pending segment longer
+  than what the budget allows is cut, and the rest waits for the next step, between the
+  running rows' decode steps. A prompt that prefills alone (no row runs, nothing else
+  queued) is not cut below the chunk limit: small pieces only cost it time, and a
+  request that arrives meanwhile waits for at most the one chunk in flight. What the
   budget allows is measured, not assumed: prompt tokens per second over the latest
   pieces (an average that follows the cost's growth with the context); before the first
   measurement a probe piece of `PROBE` tokens is cut. A piece is never shorter than
-  `MIN_PIECE` tokens (progress) nor longer than the chunk limit (`prefill_chunk`). The
-  last piece of a prompt, prefilled when its row joins the batch, is cut to the same
-  size at insertion (melix_mlx.serve.chunks).
+  `MIN_PIECE` tokens nor longer than the chunk limit (`prefill_chunk`). The last piece
+  of a prompt, prefilled when its row joins the batch, is cut to the same size at
+  insertion (melix_mlx.serve.chunks).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from mlx_lm.server import ResponseGenerator
 from melix_fsm.errors import MelixError
 
 PROBE = 32  # tokens of the first piece, before any measurement
-MIN_PIECE = 8  # the fewest tokens a piece prefills (a step always makes progress)
+MIN_PIECE = 32  # the fewest tokens a piece prefills: progress, and a forward's overhead amortized
 
 
 class PromptRejected(MelixError, ValueError):
@@ -75,18 +78,16 @@ class PrefillBudget:
             return min(PROBE, self.chunk)
         return max(MIN_PIECE, min(self.chunk, int(self.rate * self.budget_s)))
 
-    def cut(self, pending: list[Any]) -> int:
-        """Cut the next segment of each pending request to its share; the tokens it holds."""
-        if not pending or self.budget_s is None:
-            return 0
-        share = max(MIN_PIECE, self.piece() // len(pending))
-        total = 0
-        for request in pending:
-            head = request.segments[0]
-            if len(head) > share:
-                request.segments[0:1] = [head[:share], head[share:]]
-            total += len(request.segments[0])
-        return total
+    def cut(self, pending: list[Any], alone: bool = False) -> int:
+        """Cut the next segment of each pending request to its share (uncut `alone`: no
+        row runs and nothing else waits); the tokens the next segments hold."""
+        if self.budget_s is not None and pending and not alone:
+            share = max(MIN_PIECE, self.piece() // len(pending))
+            for request in pending:
+                head = request.segments[0]
+                if len(head) > share:
+                    request.segments[0:1] = [head[:share], head[share:]]
+        return sum(len(request.segments[0]) for request in pending)
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:

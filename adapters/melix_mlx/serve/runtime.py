@@ -176,7 +176,8 @@ class ServingBatchGenerator(MTPBatchGenerator):
 
     def _prefill_segments(self) -> list[PromptProcessingBatch.Response]:
         """The segment stage within the step's time budget (melix_mlx.serve.prompt_work)."""
-        tokens = self.budget.cut([r for r in self._queue if r.segments][: self.prefill_batch_size])
+        pending = [r for r in self._queue if r.segments][: self.prefill_batch_size]
+        tokens = self.budget.cut(pending, alone=not len(self.batch) and len(self._queue) == len(pending) == 1)
         with Clock() as clock:
             responses = super()._prefill_segments()
         self.budget.observe(tokens, clock.seconds)
