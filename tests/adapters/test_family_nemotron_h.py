@@ -11,7 +11,8 @@
   swapped, or without the final norm, is off by more than 0.1);
 - greedy MTP decoding equals mlx-lm's greedy output token for token, single sequence at
   k = 1..3 (one prompt under a repetition penalty) and batched (rows at k = 1, 2, 3, a
-  row removed mid-run, a late joiner): each row selects its own Mamba state;
+  row removed mid-run, a late joiner); rows accepting different lengths in the same
+  cycles each select their own Mamba state (caches equal a single-sequence run's);
 - after rejecting cycles the main cache (KV and every Mamba conv window and SSM state)
   equals a clean run fed only the confirmed tokens one at a time, with no replay forward;
 - a converted directory gives the identical head; a 4-bit converted checkpoint keeps
@@ -241,6 +242,31 @@ def test_greedy_identity_batched_with_removal_and_late_joiner(loaded):
         assert late is not None and out[late] == reference(model, LATE, N)
         stats = gen.speculative_stats()
         assert stats["cycles"] > 0 and stats.get("replay_forwards", 0) == 0
+
+
+def test_batched_rows_select_their_own_states(loaded):
+    """Rows accepting different lengths in the same cycles (a right script, one wrong every
+    third position, the random head's rejections): each row's extracted cache (KV, conv
+    windows, SSM states) equals a single-sequence run over its context, prefilled as
+    mlx-lm prefills and then fed one token at a time, bit for bit."""
+    _, model, _, head, _ = loaded
+    refs = [reference(model, p, 24) for p in PROMPTS]
+    scripted = ScriptedHead([PROMPTS[0] + refs[0], PROMPTS[1] + refs[1]], VOCAB_SIZE, 64, wrong_every=3)
+    gen = MTPBatchGenerator(model, scripted, num_draft_tokens=3, max_tokens=24)
+    uids = gen.insert(PROMPTS)
+    for _ in range(4):
+        gen.next()
+    extracted = gen.extract_cache(set(uids))
+    rates = []
+    for uid, prompt in zip(uids, PROMPTS, strict=True):
+        cache, context = extracted[uid]
+        clean = make_prompt_cache(model)
+        model(mx.array([context[: len(prompt) - 1]]), cache=clean)
+        for t in context[len(prompt) - 1 :]:
+            model(mx.array([[t]]), cache=clean)
+        assert max_diff(cache, clean) == 0.0, uid
+        rates.append(next(r for r in gen.batch if r.uid == uid).counters.acceptance_rate)
+    assert len(set(rates)) == 3  # three different acceptance lengths in one batch
 
 
 def test_rollback_cache_equals_clean_run(loaded, monkeypatch):
