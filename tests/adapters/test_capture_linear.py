@@ -150,6 +150,23 @@ def test_armed_block_equals_token_by_token_decoding(kind: Kind, length: int) -> 
         assert _diff(armed_cache.cache, block_cache.cache) == 0.0
 
 
+def test_a_cache_with_row_lengths_takes_the_per_position_form(kind: Kind) -> None:
+    """A batch cache still carrying per-row `lengths` (a padded prefill's chunks) is captured
+    by running mlx-lm's whole layer per position: equal to token-by-token decoding."""
+    prompt, block = _inputs(PROMPT_LEN, 40), _inputs(3, 41)
+    base = kind.primed(prompt)
+    stepwise, armed_cache = _copy(base), _copy(base)
+    for c in (stepwise, armed_cache):
+        c.lengths = mx.array([3] * ROWS)
+    want = [kind.call(block[:, t : t + 1], stepwise, PROMPT_LEN + t) for t in range(3)]
+    want = mx.concatenate(want, axis=1)
+    armed = capture.arm([armed_cache])
+    got = kind.call(block, armed_cache, PROMPT_LEN)
+    [steps] = capture.collect(armed)
+    assert len(steps) == 3 and mx.abs(got - want).max().item() == 0.0
+    assert _diff(armed_cache.cache, stepwise.cache) == 0.0 and _diff(list(steps[-1]), stepwise.cache) == 0.0
+
+
 def test_selected_state_equals_a_cache_fed_only_the_kept_tokens(kind: Kind) -> None:
     prompt, block = _inputs(PROMPT_LEN, 20), _inputs(4, 21)
     base = kind.primed(prompt)
