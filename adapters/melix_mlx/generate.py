@@ -3,6 +3,7 @@
 from .decoding.generate import (
     MTPDecoder,
     MTPGenerationResponse,
+    SettingError,
     encode_prompt,
     make_decoder,
     mtp_generate_step,
@@ -12,6 +13,7 @@ from .decoding.generate import (
 __all__ = [
     "MTPDecoder",
     "MTPGenerationResponse",
+    "SettingError",
     "encode_prompt",
     "make_decoder",
     "mtp_generate_step",

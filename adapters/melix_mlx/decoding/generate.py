@@ -49,7 +49,17 @@ from melix_fsm.receipt import Receipt, ServingContext
 from melix_fsm.stats import GenerationStats
 
 from .decode import MTPDecoder
-from .startup import activate
+from .startup import SettingError, activate
+
+__all__ = [
+    "MTPDecoder",
+    "MTPGenerationResponse",
+    "SettingError",
+    "encode_prompt",
+    "make_decoder",
+    "mtp_generate_step",
+    "mtp_stream_generate",
+]
 
 _UNSUPPORTED = ("input_embeddings",)
 
