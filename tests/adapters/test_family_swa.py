@@ -24,7 +24,7 @@ For each family:
   `all_tokens`, and a continuation inserted on them decodes as mlx-lm does;
 - a 4-bit converted checkpoint keeps identity; a quantized KV cache is refused for the
   window (typed, `unsupported_quantization`), not for the family;
-- deepseek_v41 stays refused, with its reasons (its cache kind refused typed).
+- deepseek_v41 stays refused for MTP, with its reason (its cache kind refused batched, typed).
 """
 
 from __future__ import annotations
@@ -400,22 +400,22 @@ def test_4bit_identity(loaded, family, tmp_path):
 
 
 def test_deepseek_v41_stays_refused_with_its_reasons() -> None:
-    """DeepSeek-V4.1's head reads the target's hyper-connection streams and its LayerCache
-    has no exact trim: the family is refused, and the cache kind is refused typed (single
-    and batched) wherever it would decode speculatively (a draft model on such a target)."""
+    """DeepSeek-V4.1's mtp.* layers are a block drafter the head interface cannot run: the
+    family is refused for MTP. Its LayerCache rolls back exactly one sequence at a time
+    (tests/adapters/test_family_deepseek_v41.py); batched, it is refused typed."""
     from mlx_lm.models.deepseek_v41 import LayerCache
 
     from melix_fsm.registry import Support, registry
 
     family = registry().families["deepseek_v41"]
     assert family.support is Support.refused and family.refusal is RefusalReason.unsupported_model
-    assert "hyper-connection streams" in family.message and family.cache_kinds == ("layer_cache",)
+    assert "block drafter" in family.message and family.cache_kinds == ("layer_cache",)
     cache = [LayerCache(WINDOW), LayerCache(WINDOW)]
     assert rollback.kind_of(cache[0]) == "layer_cache"
-    for batched in (False, True):
-        text = rollback.refusal(cache, batched=batched)
-        assert text is not None and text.startswith(RefusalReason.unsupported_cache_sharing.value)
-        assert "layer_cache" in text and "LayerCache" in text
+    assert rollback.refusal(cache) is None
+    text = rollback.refusal(cache, batched=True)
+    assert text is not None and text.startswith(RefusalReason.unsupported_cache_sharing.value)
+    assert "layer_cache" in text and "LayerCache" in text
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -67,7 +67,7 @@ from melix_fsm.reasons import RefusalReason, reason_of, refusal_text
 
 from ..loading import head_receipt
 from ..loading.errors import check_kv_group
-from ..runtime import ragged_kv, rollback, window_kv
+from ..runtime import layer_kv, ragged_kv, rollback, window_kv
 from ..runtime.engine import CycleEngine
 from ..runtime.engine_records import RowHead, RowPlan
 from ..runtime.hidden import main_parts
@@ -303,6 +303,7 @@ class MTPDecoder:
             self.model, prompt, self.cache, self.prefill_step_size, after_chunk=self._quantize
         )
         window_kv.adopt(self.cache)  # sliding windows roll back exactly from here on
+        layer_kv.adopt(self.cache, self.model)  # so do DeepSeek-V4.1's layer caches
         prompt_tokens = prompt.tolist()
         logprobs = self._process(logits, prompt_tokens)
         first = mx.argmax(logprobs, axis=-1) if self.sampler is None else self.sampler(logprobs)

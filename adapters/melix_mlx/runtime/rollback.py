@@ -59,9 +59,14 @@ def kind_of(c: Any) -> str:
         return "rotating_keep" if c.keep else "rotating"
     if isinstance(c, ArraysCache):
         return "arrays"
-    if type(c).__name__ == "LayerCache" and type(c).__module__.endswith(".deepseek_v41"):
-        return "layer_cache"  # not trimmable (spec/rollback.toml)
+    if _is_layer_cache(c):
+        return "layer_cache"  # trimmable in its spare form only (melix_mlx.runtime.layer_kv)
     return type(c).__name__
+
+
+def _is_layer_cache(c: Any) -> bool:
+    """DeepSeek-V4.1's LayerCache, mlx-lm's or its spare form (no mlx-lm model import)."""
+    return any(t.__name__ == "LayerCache" and t.__module__.endswith(".deepseek_v41") for t in type(c).__mro__)
 
 
 def cache_kinds(cache: list[Any]) -> list[str]:
@@ -87,6 +92,8 @@ _RUNS = {
     "capture_select": lambda c: isinstance(c, ArraysCache),
     # melix_mlx.runtime.window_kv after prefill (batched: melix_mlx.runtime.window_batch)
     "window_spare": lambda c: isinstance(c, RotatingKVCache),
+    # melix_mlx.runtime.layer_kv after prefill (single sequence: no batch form)
+    "layer_spare": _is_layer_cache,
 }
 
 
