@@ -176,14 +176,17 @@ def test_head_forward_matches_the_published_architecture(loaded):
 
 def test_newer_config_spelling_and_latent_moe(tmp_path):
     """``layers_block_type`` / ``mtp_layers_block_type`` lists instead of the pattern
-    strings, and a latent MoE (Nemotron-3 Super): same head layout, reference forward,
-    greedy identity."""
+    strings and no ``num_hidden_layers``, and a latent MoE (Nemotron-3 Super): admitted,
+    same head layout, reference forward, greedy identity."""
     path = make_tiny(FAMILY, tmp_path / "newer", moe_latent_size=32)
     config = json.loads((path / "config.json").read_text())
     kinds = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
     config["layers_block_type"] = [kinds[c] for c in config.pop("hybrid_override_pattern")]
     config["mtp_layers_block_type"] = [kinds[c] for c in config.pop("mtp_hybrid_override_pattern")]
+    del config["num_hidden_layers"]  # transformers derives it from the block list
     (path / "config.json").write_text(json.dumps(config))
+    receipt = resolve(path)
+    assert receipt.mode == "accepted", receipt.message
     model, _, head, _ = load_with_heads(path)
     assert [layer.block_type for layer in head.layers] == ["*", "E"]
     assert "fc1_latent_proj" in head.layers[1].mixer
