@@ -9,17 +9,21 @@ KV shared across layers, an indexer with candidate blocks; random weights):
   compressor (no capture) cannot be rolled back so;
 - speculative decoding on it (a draft in the head slot: a scripted head that drafts wrong
   every third token, a random draft model that is mostly rejected) equals mlx-lm's greedy
-  output token for token at k = 1..3, with rollbacks;
+  output token for token at k = 1..3, with rollbacks; so do a prompt prefilled in chunks
+  and 4-bit weights (a quantized KV cache refuses speculation, typed, and still decodes
+  as mlx-lm does);
 - a batch and a quantized KV cache are refused for the kind, typed; the MTP method stays
   refused for the family (its mtp.* layers are a block drafter), with that reason.
 """
 
 from __future__ import annotations
 
+import copy
 import random
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from decode_refs import mtp, reference
 from melix_mlx.decoding.draft_model import DraftHead
@@ -178,6 +182,30 @@ def test_greedy_identity_with_rollbacks(model, k) -> None:
         assert rollbacks > 0, name  # drafts were rejected and rolled back
         if name == "scripted":
             assert accepted > 0
+
+
+def test_chunked_prefill_4bit_weights_and_a_quantized_kv_cache(model) -> None:
+    """A prompt prefilled in chunks, and 4-bit weights, keep identity with rollbacks; a
+    quantized KV cache refuses speculation typed (mlx-lm leaves the kind unquantized) and
+    still decodes as mlx-lm does."""
+    prompt = PROMPTS[0]
+    want = reference(model, prompt, N)
+    got, decoder = mtp(model, DraftHead(_draft_model()), prompt, N, 2, prefill_step_size=3)
+    assert got == want and decoder.stats["rollbacks"] > 0
+    got, decoder = mtp(model, DraftHead(_draft_model()), prompt, N, 2, kv_bits=4, kv_group_size=32)
+    assert got == want
+    assert decoder.stats["refusal"].startswith(RefusalReason.unsupported_quantization.value)
+    quantized = copy.deepcopy(model)
+    nn.quantize(quantized, group_size=32, bits=4, class_predicate=_quantizable)
+    assert quantized.layers[1].self_attn.compressor.kv_proj.bits == 4
+    want = reference(quantized, prompt, N)
+    got, decoder = mtp(quantized, ScriptedHead([prompt + want], VOCAB, 64, wrong_every=3), prompt, N, 3)
+    assert got == want and decoder.stats["rollbacks"] > 0 and decoder.stats["refusal"] is None
+
+
+def _quantizable(path: str, module: Any) -> bool:
+    weight = getattr(module, "weight", None)
+    return hasattr(module, "to_quantized") and weight is not None and weight.shape[-1] % 32 == 0
 
 
 def test_batch_and_quantized_kv_are_refused_typed(model) -> None:
