@@ -202,19 +202,19 @@ def test_the_calibration_key_follows_the_model_dtype_versions_and_machine(tiny, 
     assert cc.default_cache() is None
 
 
-def test_the_calibration_is_reused_by_another_process(tiny, tmp_path):
-    """One process measures and stores; a second one (the CLI) reuses it and says so."""
-    env = {**os.environ, "MELIX_FSM_CALIBRATION_CACHE": str(tmp_path / "calibration")}
-    args = [sys.executable, "-m", "melix_fsm.cli", "generate", "--model", str(tiny)]
-    args += ["--prompt", PROMPT, "--max-tokens", "4", "--json", "--num-draft-tokens", "2"]
-    runs = [subprocess.run(args, capture_output=True, text=True, timeout=240, env=env) for _ in range(2)]
-    for run in runs:
-        assert run.returncode == 0, run.stderr[-2000:]
-    details = [json.loads(run.stdout)["receipt"]["hardware"]["detail"] for run in runs]
-    if "timings reused" not in details[1]:  # the first measurement failed on a busy machine: not stored
-        assert not list((tmp_path / "calibration").glob("*.json")) or "measurement" in details[0]
-        pytest.skip(f"the first calibration was refused on this busy machine: {details[0]}")
-    assert "timings reused" not in details[0] and "timings reused from" in details[1]
+def test_the_calibration_is_reused_by_another_process(tiny, loaded, calibrations, tmp_path):
+    """The library measures (scripted figures) and stores; `melix-fsm generate`, in another
+    process, reuses that calibration for the same model, machine and settings, and says so."""
+    calls, _ = calibrations
+    first = _stream(loaded, num_draft_tokens=2, device_policy="auto")
+    assert len(calls) == 1 and "timings reused" not in first[-1].receipt.hardware.detail
+    args = [sys.executable, "-m", "melix_fsm.cli", "generate", "--model", str(tiny), "--prompt", PROMPT]
+    args += ["--max-tokens", "12", "--json", "--num-draft-tokens", "2", "--device-policy", "auto"]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=240, env=dict(os.environ))
+    assert run.returncode == 0, run.stderr[-2000:]
+    hardware = json.loads(run.stdout)["receipt"]["hardware"]
+    assert "timings reused from" in hardware["detail"], hardware["detail"]
+    assert hardware["t_1"] == 1e-3 and hardware["t_head"] == 1e-4  # the scripted figures, not a measurement
 
 
 def _cli_json(argv: list[str]) -> dict:
