@@ -71,3 +71,8 @@ def test_efficiency_comes_only_from_the_caller() -> None:
     fam = next(f for f in reg.families.values() if f.support is Support.mtp)
     assert "not measured" in family_row(fam, reg, {})
     assert "| 0.93 / 0.91 |" in family_row(fam, reg, {fam.name: "0.93 / 0.91"})
+
+
+def test_every_family_names_what_people_run() -> None:
+    missing = [name for name, fam in registry().families.items() if not fam.runs.strip()]
+    assert not missing, f"families.toml entries without runs = ...: {missing}"
