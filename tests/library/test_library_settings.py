@@ -320,3 +320,15 @@ def test_a_failed_calibration_is_kept_a_while_in_one_process(loaded, calibration
     monkeypatch.setattr(calibration_cache, "FAILURE_RETRY_S", 0.0)
     _stream(loaded, num_draft_tokens=3, device_policy="auto")
     assert len(calls) == 2
+
+
+def test_settings_given_at_load_are_defaults_a_call_overrides(tiny):
+    from melix_mlx.loading import load_with_heads
+
+    loaded = load_with_heads(tiny, device_policy="force_off")
+    assert loaded.receipt.refusal_reason == "operator_disabled"  # what the settings resolve to
+    off = _stream(loaded)
+    assert off[-1].receipt.refusal_reason == "operator_disabled" and off[-1].stats.cycles == 0
+    on = _stream(loaded, num_draft_tokens=2, device_policy="force_on")
+    assert on[-1].receipt.speculates and on[-1].stats.cycles > 0
+    assert [r.token for r in on] == [r.token for r in off]

@@ -190,7 +190,10 @@ def load_with_heads(
         loaded = Loaded(*load_with_sidecar(path, pack, tokenizer_config=tokenizer_config))
         head_receipt.attach_settings(loaded.head, settings)
         return loaded
-    receipt = resolve(path, speculative_config(**settings)) if settings else resolve(path)
+    # the head carries the checkpoint's own receipt (the decoders' fail-closed check); the
+    # settings given here are applied per call, so a later call may override them
+    checkpoint_receipt = resolve(path)
+    receipt = resolve(path, speculative_config(**settings)) if settings else checkpoint_receipt
     if advertised_head_count(config) <= 0 and not config.get(MELIX_CONFIG_KEY):
         raise UnsupportedModel(f"{path}: config advertises no MTP head ({family})")
     # fail fast on absent head tensors, before reading the main weights
@@ -213,7 +216,7 @@ def load_with_heads(
         )
         if not lazy:
             mx.eval(head.parameters())
-    head_receipt.attach(head, receipt)
+    head_receipt.attach(head, checkpoint_receipt)
     head_receipt.attach_settings(head, settings)
     info = _head_info(
         head, facts, receipt, quantized=facts["stored_quantized"] or quantize_head, main_quant=main_quant
