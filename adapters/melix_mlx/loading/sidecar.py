@@ -33,6 +33,7 @@ from melix_fsm.sidecar import PROBE_ALPHA, SidecarReport, chance_p_value, report
 from ..runtime.hidden import forward_with_hidden, main_parts
 from .errors import HeadShapeMismatch, MissingHeadWeights, UnsupportedModel
 from .families import advertised_head_count, detect_family, family_entry, text_config
+from .head_pack import is_split_pack, split_layers
 from .head_weights import (
     MELIX_CONFIG_KEY,
     MELIX_KEY_PREFIX,
@@ -69,7 +70,9 @@ def _config_check(target_cfg: dict, pack: Path) -> tuple[bool, str, dict, int]:
     except (OSError, ValueError) as exc:
         return False, f"config.json unreadable: {exc}", {}, 0
     text = pack_cfg.get("text_config", pack_cfg) if isinstance(pack_cfg, dict) else {}
-    model_type = str(pack_cfg.get("model_type") or text.get("model_type") or "")
+    # a split-drafter pack carries its source's text_config: that names the family (the
+    # root model_type is the drafter's, e.g. qwen3_5_mtp for a qwen3_5_moe source too)
+    model_type = str(text.get("model_type") or pack_cfg.get("model_type") or "")
     for suffix in registry().sidecar.model_type_suffixes:
         model_type = model_type.removesuffix(suffix)
     family = registry().family_for(model_type) if model_type else entry
@@ -151,6 +154,16 @@ def _probe(model: nn.Module, tokenizer: Any, head: nn.Module, vocab: int) -> tup
     return p < PROBE_ALPHA, detail
 
 
+def _layers(pack: Path, read_cfg: dict, family: str, layers: int, split: bool) -> dict[int, dict]:
+    """Each head layer's tensors: the split-drafter layout as stored, else the family's mapping."""
+    if not split:
+        return read_head_weights(pack, read_cfg, family, list(range(layers)))[0]
+    tensors: dict[str, mx.array] = {}
+    for f in sorted(pack.glob("*.safetensors")):
+        tensors.update(mx.load(str(f)))
+    return split_layers(tensors, family, layers, pack)
+
+
 def validate_pack(
     target: str | Path, pack: str | Path, model: nn.Module, tokenizer: Any, target_cfg: dict | None = None
 ) -> tuple[SidecarReport, nn.Module | None]:
@@ -167,7 +180,8 @@ def validate_pack(
     files = sorted(f.name for f in pack.glob("*.safetensors"))
     is_head = FAMILY_MODULES[family].is_head_key
     tcfg = text_config(target_cfg)
-    head_keys = [k for k in headers if k.startswith(MELIX_KEY_PREFIX) or is_head(k, tcfg)]
+    split = is_split_pack(pack_cfg, list(headers), family, target_cfg)
+    head_keys = [k for k in headers if split or k.startswith(MELIX_KEY_PREFIX) or is_head(k, tcfg)]
     done = lambda: (report(pack, results, files, len(head_keys)), None)  # noqa: E731
     if not ok:
         return done()
@@ -184,7 +198,7 @@ def validate_pack(
     dtypes = (ok, detail)
     qok, qdetail, declared = _quant_structure(headers, pack_cfg, target_cfg)
     try:
-        per_layer, _, _ = read_head_weights(pack, read_cfg, family, list(range(layers)))
+        per_layer = _layers(pack, read_cfg, family, layers, split)
         built = [build_layer(model, family, w, None, pack)[0] for w in per_layer.values()]
     except (MissingHeadWeights, UnsupportedModel) as exc:
         results["keys"] = (False, str(exc))
@@ -248,6 +262,8 @@ def load_with_sidecar(
     main_quant = config.get("quantization") or {}
     pack_cfg = json.loads((pack / "config.json").read_text()) if (pack / "config.json").is_file() else {}
     fmt = "melix" if isinstance(pack_cfg.get(MELIX_CONFIG_KEY), dict) else "hf"
+    if is_split_pack(pack_cfg, list(_headers(pack)), detect_family(config), config):
+        fmt = "split"  # stored in MLX form: norms were repaired when the pack was written
     info = HeadInfo(
         family=detect_family(config),
         model_type=str(config.get("model_type")),
