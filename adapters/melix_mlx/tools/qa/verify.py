@@ -39,7 +39,7 @@ import mlx.core as mx
 
 from melix_fsm.testing import mlx_greedy_reference
 from melix_fsm.testing.distribution import check_distribution, draw_with_restarts, measure_distribution
-from melix_fsm.testing.divergence import DivergenceJudge, DivergenceLedger, RoundingContract
+from melix_fsm.testing.divergence import NEAR_TIE, DivergenceJudge, DivergenceLedger, RoundingContract
 from melix_fsm.testing.hunt import replay_error
 from melix_fsm.testing.invariance import CaseResult, check_batch_invariance
 from melix_fsm.testing.mirror import ConformanceError
@@ -299,10 +299,8 @@ def run_verify(
             if err is not None:
                 failed += 1
                 report.findings.append(Finding(name, err, schedule))
-        near = report.ledger.divergences if report.ledger is not None else []
-        return (
-            f"{failed} bug(s)" if failed else ("pass" + (f", {len(near)} near-tie(s) so far" if near else ""))
-        )
+        near = report.ledger.count(NEAR_TIE) if report.ledger is not None else 0
+        return f"{failed} bug(s)" if failed else ("pass" + (f", {near} near-tie(s) so far" if near else ""))
 
     schedules = batched_schedules(seed, top, profile["batches"], profile["max_tokens"], k)
     part("identity, batched", lambda: run_schedules("identity, batched", schedules, batched))
