@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -103,31 +104,21 @@ def evaluate(
     max_k = max(1, receipt.effective_depth) if auto_depth else int(config.num_draft_tokens)
     if replay_on_reject is None:
         replay_on_reject = replays_on_reject(model)
-    table: TimingTable | None = None
-    measured: Any = None
+    measured: Any = None  # a TimingTable, or the typed CalibrationError the controller disables on
     reused = None
     if policy is Policy.auto:
-        tokens = PROMPT_LEN if context is None else max(PROMPT_LEN, min(context, MAX_CONTEXT))
-
-        def measure(tokens: int) -> Any:
-            return calibrate(
-                model,
-                head,
-                batch_sizes=(batch_size,),
-                k=max_k,
-                budget_s=budget_s,
-                group=group,
-                context=tokens,
-            )
-
-        if cache is not None and (group is None or group.size() == 1):
-            key = calibration_key(model, head, receipt, batch_size=batch_size, k=max_k, context=tokens)
-            result, reused = cache.fetch(key, measure)
-        else:
-            result = measure(tokens)
-        if isinstance(result, TimingTable):
-            table = result
-        measured = result  # a TimingTable, or the typed CalibrationError the controller disables on
+        measured, reused = _measure(
+            model,
+            head,
+            receipt,
+            batch_size=batch_size,
+            k=max_k,
+            budget_s=budget_s,
+            group=group,
+            context=context,
+            cache=cache,
+        )
+    table = measured if isinstance(measured, TimingTable) else None
 
     def controller_for(active: bool | None = None) -> LiveController:
         return LiveController(
@@ -161,6 +152,34 @@ def evaluate(
         controller = controller_for(active=decision.speculate)
     receipt = with_hardware(receipt, decision, depth=controller.depth_decision)
     return Activation(receipt, decision, controller)
+
+
+def _measure(
+    model: nn.Module,
+    head: Any,
+    receipt: Receipt,
+    *,
+    batch_size: int,
+    k: int,
+    budget_s: float,
+    group: Any,
+    context: int | None,
+    cache: Any,
+) -> tuple[Any, Path | None]:
+    """Calibrate at the run's batch size, depth and context (a stored calibration where
+    `cache` holds one: one process only, ranks of a group always measure together).
+    Returns (TimingTable or CalibrationError, where reused figures came from or None)."""
+    tokens = PROMPT_LEN if context is None else max(PROMPT_LEN, min(context, MAX_CONTEXT))
+
+    def measure(tokens: int) -> Any:
+        return calibrate(
+            model, head, batch_sizes=(batch_size,), k=k, budget_s=budget_s, group=group, context=tokens
+        )
+
+    if cache is not None and (group is None or group.size() == 1):
+        key = calibration_key(model, head, receipt, batch_size=batch_size, k=k, context=tokens)
+        return cache.fetch(key, measure)
+    return measure(tokens), None
 
 
 def calibration_key(

@@ -3,7 +3,8 @@ This module is its generation half: each `next()` runs one step of the step pipe
 (melix_mlx.decoding.step_driver, the same one the single-sequence decoder drives) over the rows
 and emits its tokens. Admission lives in batch_admission.py (prompt processing in
 batch_prompts.py), the server-facing surface in batch_surface.py, row records in
-batch_rows.py, the cycle itself in engine.py.
+batch_rows.py, the cycle itself in engine.py. (Over 400 lines: one step's plan, signals,
+emission, finish and filter read together, as the pipeline calls them.)
 
 Rules of this module:
 - Same surface as `mlx_lm.generate.BatchGenerator` (0.32): `insert`, `insert_segments`,

@@ -194,16 +194,7 @@ def load_with_heads(
     # settings given here are applied per call, so a later call may override them
     checkpoint_receipt = resolve(path)
     receipt = resolve(path, speculative_config(**settings)) if settings else checkpoint_receipt
-    if advertised_head_count(config) <= 0 and not config.get(MELIX_CONFIG_KEY):
-        raise UnsupportedModel(f"{path}: config advertises no MTP head ({family})")
-    # fail fast on absent head tensors, before reading the main weights
-    if not head_key_files(path, config, family):
-        raise MissingHeadWeights(
-            f"{path}: config advertises an MTP head but no *.safetensors file holds it "
-            "(mlx-lm conversions drop the head; convert from the original checkpoint "
-            "with melix_mlx.loading.convert)",
-            details={"path": str(path)},
-        )
+    _check_head_present(path, config, family)
     model, config = load_main(path, lazy=lazy)
     tokenizer = load_tokenizer(path, tokenizer_config, eos_token_ids=config.get("eos_token_id", None))
     head, facts = build_head(model, path, config, layer=layer, own_lm_head=own_lm_head, lazy=lazy)
@@ -222,6 +213,20 @@ def load_with_heads(
         head, facts, receipt, quantized=facts["stored_quantized"] or quantize_head, main_quant=main_quant
     )
     return Loaded(model, tokenizer, head, info)
+
+
+def _check_head_present(path: Path, config: dict[str, Any], family: str) -> None:
+    """Fail fast, before reading the main weights, on a config without a head or a
+    checkpoint whose files lack the head it advertises."""
+    if advertised_head_count(config) <= 0 and not config.get(MELIX_CONFIG_KEY):
+        raise UnsupportedModel(f"{path}: config advertises no MTP head ({family})")
+    if not head_key_files(path, config, family):
+        raise MissingHeadWeights(
+            f"{path}: config advertises an MTP head but no *.safetensors file holds it "
+            "(mlx-lm conversions drop the head; convert from the original checkpoint "
+            "with melix_mlx.loading.convert)",
+            details={"path": str(path)},
+        )
 
 
 def _head_info(
