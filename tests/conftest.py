@@ -7,6 +7,9 @@ Rules of this file:
 - Failures always print a reproduction blob (`@reproduce_failure`) and runs are not
   derandomized, so each run explores new examples; the seed is printed with the
   statistics header below so a failing run can be repeated with `--hypothesis-seed`.
+- Every test gets its own calibration cache directory (MELIX_FSM_CALIBRATION_CACHE, which
+  subprocesses inherit): a calibration stored by an earlier test or an earlier run on this
+  machine is never reused unless a test arranges it.
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # test, so the header below can name it and `--hypothesis-seed=N` replays the run.
     if config.getoption("hypothesis_seed", None) is None:
         config.option.hypothesis_seed = str(random.SystemRandom().randrange(2**32))
+
+
+@pytest.fixture(autouse=True)
+def _own_calibration_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MELIX_FSM_CALIBRATION_CACHE", str(tmp_path_factory.mktemp("calibration")))
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

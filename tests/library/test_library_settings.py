@@ -332,3 +332,16 @@ def test_settings_given_at_load_are_defaults_a_call_overrides(tiny):
     on = _stream(loaded, num_draft_tokens=2, device_policy="force_on")
     assert on[-1].receipt.speculates and on[-1].stats.cycles > 0
     assert [r.token for r in on] == [r.token for r in off]
+
+
+def test_the_server_reuses_a_stored_calibration(tiny, loaded, calibrations):
+    """`melix-fsm serve` starts through the same cache: a calibration the library stored
+    for this model, batch size and depth is reused, and the served receipt says so."""
+    from melix_mlx.serve.provider import load_served_model
+
+    calls, _ = calibrations
+    first = load_served_model(str(tiny), 2, "auto")
+    assert len(calls) == 1 and "timings reused" not in first.receipt["hardware"]["detail"]
+    again = load_served_model(str(tiny), 2, "auto")
+    assert len(calls) == 1, "a restarted server measured again instead of reusing its calibration"
+    assert "timings reused from" in again.receipt["hardware"]["detail"]

@@ -6,7 +6,9 @@ Rules of this module:
   server listens: the receipt is resolved for a batched start before any weight is read,
   then the model (with its MTP head or draft model when the receipt admits one), then the
   device policy's evaluation (melix_mlx.decoding.activation) at batch size 1, which gives the live
-  controller every batch generator of this server shares.
+  controller every batch generator of this server shares. A calibration of this model on
+  this machine is reused across restarts (melix_mlx.decoding.calibration_cache, as
+  `generate` does; a sharded server always measures on every rank together).
 - Refused at start, typed (`ServeRefused`): settings no batch can run (a quantized KV
   cache: mlx-lm has no batch cache for it), and an explicitly requested method that the
   receipt or the head loader refuses (fail closed, as `generate`).
@@ -93,6 +95,7 @@ def load_served_model(
     from melix_fsm.config import speculative_config
     from melix_fsm.errors import ConfigError
     from melix_fsm.receipt import ServingContext
+    from melix_mlx.decoding.calibration_cache import default_cache
     from melix_mlx.decoding.startup import StartFailed, StartRefused, start
     from melix_mlx.loading.checkpoints import DEFAULT, resolve_model
 
@@ -122,7 +125,10 @@ def load_served_model(
         _refuse_quantized_kv(path, config, context)
     try:
         # the one start-up sequence `generate` runs too: receipt, load, device policy
-        boot = start(path, config, context, batch_size=1, sharding=sharding)
+        # a calibration of this model on this machine is reused across restarts (one process only)
+        boot = start(
+            path, config, context, batch_size=1, sharding=sharding, calibration_cache=default_cache()
+        )
     except StartRefused as exc:
         if exc.usage:
             raise ServeError(f"{path}: {exc.message}") from exc
