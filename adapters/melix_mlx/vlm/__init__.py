@@ -1,0 +1,18 @@
+"""The mlx-vlm adapter (optional extra ``vlm``): vision-language checkpoints with images in
+the prompt, prefilled by mlx-vlm (its processor and vision tower) and decoded by the cycle
+engine with the MTP head loaded through the registry.
+
+Rules:
+- Importing this package needs mlx-vlm (``pip install 'melix-fsm[vlm]'``); nothing else in
+  melix_mlx imports it, so the mlx-lm path neither needs nor loads it.
+- ``load_vlm`` (loading), ``VLMText`` (the language model as the engine's main model),
+  ``prepare`` / ``generate`` / ``reference`` (one prompt, with images) are the surface.
+"""
+
+from __future__ import annotations
+
+from .generate import generate, prepare, reference
+from .load import VLMInfo, load_vlm
+from .text import VLMText
+
+__all__ = ["VLMInfo", "VLMText", "generate", "load_vlm", "prepare", "reference"]

@@ -1,0 +1,61 @@
+"""Prompts with images through mlx-vlm's processor, decoded by the cycle engine.
+
+Rules:
+- ``prepare`` runs mlx-vlm's own ``prepare_inputs`` (its processor: chat text with the
+  image placeholders, pixel values and the image grid) and ``VLMText.begin`` (mlx-vlm's
+  vision tower and embedding merge, its multimodal positions).
+- ``generate`` then decodes with ``MTPDecoder`` (the lifecycle, controller and receipts of
+  the mlx-lm path, unchanged) over the language model; ``reference`` is mlx-vlm's own
+  greedy ``generate_step`` on the same inputs, the identity every test compares with.
+- One sequence at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.core as mx
+
+from ..decoding.decode import MTPDecoder
+from .text import VLMText
+
+
+def prepare(model: VLMText, processor: Any, prompt: str, images: list[Any] | None = None) -> dict[str, Any]:
+    """mlx-vlm's inputs for ``prompt`` (its image placeholders already in the text)."""
+    from mlx_vlm.utils import prepare_inputs
+
+    inputs = prepare_inputs(processor, images=images or None, prompts=[prompt])
+    if inputs["input_ids"].shape[0] != 1:
+        raise ValueError("one prompt at a time")
+    return inputs
+
+
+def _vision_kw(inputs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in inputs.items() if k in ("image_grid_thw", "video_grid_thw")}
+
+
+def generate(
+    model: VLMText, head: Any, inputs: dict[str, Any], max_tokens: int, **decoder_kw: Any
+) -> tuple[Iterator[tuple[int, mx.array, bool]], MTPDecoder]:
+    """``(tokens as (token, logprobs, from_draft), the decoder)`` for prepared ``inputs``."""
+    ids = inputs["input_ids"]
+    model.begin(ids, inputs.get("pixel_values"), **_vision_kw(inputs))
+    decoder = MTPDecoder(model, head, **decoder_kw)
+    return decoder.generate(ids[0], max_tokens), decoder
+
+
+def reference(model: VLMText, inputs: dict[str, Any], max_tokens: int) -> list[int]:
+    """mlx-vlm's own greedy tokens for the same inputs."""
+    from mlx_vlm.generate.ar import generate_step
+
+    steps = generate_step(
+        inputs["input_ids"],
+        model.vlm,
+        inputs.get("pixel_values"),
+        None,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        **_vision_kw(inputs),
+    )
+    return [int(t) for (t, _), _ in zip(steps, range(max_tokens), strict=False)]

@@ -1,0 +1,107 @@
+"""The mlx-vlm adapter (extra ``vlm``): a Qwen3.5 VL checkpoint with images in the prompt,
+prefilled by mlx-vlm, decoded by the cycle engine with its MTP head.
+
+The checkpoint is the embedded ``stdlib-hybrid`` wrapped with a tiny vision tower in the
+upstream layout (``melix_mlx.vlm.tiny``); 64 x 64 images give 4 image tokens, so the
+multimodal positions really differ from text positions (a rope delta of -2).
+- mlx-vlm loads it with its tower; the head comes through the registry, the receipt admits
+  it and the tower is noted;
+- greedy MTP decoding equals mlx-vlm's own greedy ``generate_step`` token for token, with
+  an image (two images, two different outputs) and without, at k = 1..3, with rejections;
+- a head-less VL conversion takes its head from a split-drafter pack through the contract;
+- more than one row at a time is a typed refusal (one sequence at a time, for now).
+Skipped when mlx-vlm is not installed (``pip install 'melix-fsm[vlm]'``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_vlm")
+Image = pytest.importorskip("PIL.Image")
+
+from melix_mlx.loading.errors import UnsupportedServing  # noqa: E402
+from melix_mlx.loading.head_pack import write_pack  # noqa: E402
+from melix_mlx.vlm import generate, load_vlm, prepare, reference  # noqa: E402
+from melix_mlx.vlm.tiny import write_tiny_vl  # noqa: E402
+
+from melix_fsm.reasons import RefusalReason  # noqa: E402
+
+IMAGE_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>def main(): w"
+N = 20
+
+
+def image(seed: int):
+    return Image.fromarray((np.random.default_rng(seed).random((64, 64, 3)) * 255).astype(np.uint8))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return write_tiny_vl(tmp_path_factory.mktemp("vl") / "tiny-vl")
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny):
+    return load_vlm(tiny)
+
+
+def test_loads_with_its_tower_and_head(loaded):
+    model, processor, head, info = loaded
+    assert info.receipt.mode == "accepted" and info.refusal is None, info.receipt.message
+    assert head is not None and info.head_layers == 1 and info.family == "qwen3_5"
+    assert info.vision_tower is not None and info.vision_tower.startswith("qwen3_5: depth 1")
+    inputs = prepare(model, processor, IMAGE_PROMPT, [image(0)])
+    assert inputs["input_ids"][0].tolist().count(processor.image_token_id) == 4
+    model.begin(inputs["input_ids"], inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
+    assert model.language_model.model.delta == -2  # multimodal positions, not text positions
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_image_prompt_is_mlx_vlms_greedy(loaded, k):
+    model, processor, head, _ = loaded
+    outputs = []
+    for seed in (0, 1):
+        inputs = prepare(model, processor, IMAGE_PROMPT, [image(seed)])
+        want = reference(model, inputs, N)
+        tokens, decoder = generate(model, head, inputs, N, num_draft_tokens=k)
+        got = [t for t, _, _ in tokens]
+        assert got == want
+        assert decoder.stats["refusal"] is None and decoder.stats["accepted"] > 0
+        assert decoder.stats["rollbacks"] > 0  # rejections rolled back through the captured states
+        outputs.append(got)
+    assert outputs[0] != outputs[1]  # the image reaches the language model
+
+
+def test_text_prompt_is_mlx_vlms_greedy(loaded):
+    model, processor, head, _ = loaded
+    inputs = prepare(model, processor, "def main(): w")
+    tokens, decoder = generate(model, head, inputs, N, num_draft_tokens=2)
+    assert [t for t, _, _ in tokens] == reference(model, inputs, N) and decoder.stats["accepted"] > 0
+
+
+def test_head_from_a_pack(tiny, tmp_path):
+    target = shutil.copytree(tiny, tmp_path / "headless")
+    tensors = {k: v for k, v in mx.load(str(tiny / "model.safetensors")).items() if not k.startswith("mtp.")}
+    mx.save_safetensors(str(target / "model.safetensors"), tensors, metadata={"format": "pt"})
+    index = json.loads((target / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not k.startswith("mtp.")}
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    pack = write_pack(tiny, tmp_path / "pack")
+    model, processor, head, info = load_vlm(target, sidecar=pack)
+    assert info.sidecar and info.receipt.sidecar.validated and info.refusal is None
+    inputs = prepare(model, processor, IMAGE_PROMPT, [image(0)])
+    tokens, decoder = generate(model, head, inputs, N, num_draft_tokens=2)
+    assert [t for t, _, _ in tokens] == reference(model, inputs, N) and decoder.stats["accepted"] > 0
+
+
+def test_two_rows_are_refused_typed(loaded):
+    model, _, _, _ = loaded
+    with pytest.raises(UnsupportedServing) as info:
+        model(mx.array([[1, 2], [3, 4]]), model.make_cache())
+    assert info.value.reason is RefusalReason.unsupported_model
