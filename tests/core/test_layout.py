@@ -1,7 +1,8 @@
 """The adapter's layout shows its architecture, and its size rules hold.
 
 - melix_mlx is in wings: runtime/ (the cycle's machinery), decoding/ (the decoders),
-  loading/ (checkpoints and heads), serve/ (the server), tools/ (bench, qa, fixtures).
+  loading/ (checkpoints and heads), serve/ (the server), tools/ (bench, qa, fixtures),
+  vlm/ (the mlx-vlm adapter, extra `vlm`).
   At its root only the package's faces: the CLI's commands/, the conformance kit's
   reference, and the public import paths users embed (generate, batch_generator, decode;
   `melix_mlx.loading` is the loading wing itself), which only re-export.
@@ -18,7 +19,7 @@ import melix_fsm
 
 CORE = Path(melix_fsm.__file__).parent
 ADAPTERS = CORE.parent / "adapters" / "melix_mlx"
-WINGS = {"runtime", "decoding", "loading", "serve", "tools", "commands"}
+WINGS = {"runtime", "decoding", "loading", "serve", "tools", "commands", "vlm"}
 ROOT_MODULES = {"__init__.py", "generate.py", "batch_generator.py", "decode.py", "reference.py"}
 PUBLIC_SHIMS = ("generate.py", "batch_generator.py", "decode.py")
 
