@@ -167,3 +167,15 @@ def test_writer_refuses_a_checkpoint_without_a_head(parts, tmp_path):
     with pytest.raises(HeadLoadError):
         write_pack(target, tmp_path / "none")
     assert issubclass(UnsupportedModel, HeadLoadError)
+
+
+def test_cli_convert_split_head(parts, tmp_path, capsys):
+    from melix_fsm.cli import main
+
+    target, pack = parts
+    assert main(["convert", "--split-head", "stdlib-hybrid", str(tmp_path / "pack")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "pack")
+    ours, want = mx.load(str(tmp_path / "pack" / PACK_FILE)), mx.load(str(pack / PACK_FILE))
+    assert sorted(ours) == sorted(want) and all(mx.array_equal(ours[k], want[k]) for k in ours)
+    assert main(["convert", "--split-head", str(target), str(tmp_path / "none")]) == 3  # no head to split
+    assert "missing_head_weights" in capsys.readouterr().err

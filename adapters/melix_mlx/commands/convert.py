@@ -4,6 +4,8 @@ Rules of this module:
 - A thin front for `melix_mlx.loading.convert.convert`: the main model goes through mlx-lm's
   own conversion (optionally quantized with `-q`), the head is kept in
   `mtp.safetensors` with its norms repaired once, recorded in config.json.
+- `--split-head` writes only the head, as a sidecar pack in the split-drafter layout
+  (`melix_mlx.loading.head_pack.write_pack`), for a head-less conversion to take.
 - Exit status: 0 converted; 2 usage error or unreadable input (OUT_DIR not empty,
   HF_DIR unreadable); 3 a typed refusal (`HeadLoadError`: the head is missing, has the
   wrong shapes, or the family is unsupported), reason on stderr.
@@ -30,6 +32,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument("-q", "--quantize", action="store_true", help="quantize the main model")
     parser.add_argument("--q-bits", type=int, default=4, metavar="B")
     parser.add_argument("--q-group-size", type=int, default=64, metavar="G")
+    parser.add_argument(
+        "--split-head",
+        action="store_true",
+        help="write only the MTP head, as a sidecar pack in the split-drafter layout "
+        "(the layout of published MTP head repositories; see docs/vlm.md)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -39,13 +47,16 @@ def run(args: argparse.Namespace) -> int:
     from melix_mlx.loading.errors import HeadLoadError
 
     try:
-        out = convert(
-            resolve_model(args.hf_dir),
-            args.out_dir,
-            quantize=args.quantize,
-            q_bits=args.q_bits,
-            q_group_size=args.q_group_size,
-        )
+        if args.split_head:
+            out = _split_head(resolve_model(args.hf_dir), args.out_dir)
+        else:
+            out = convert(
+                resolve_model(args.hf_dir),
+                args.out_dir,
+                quantize=args.quantize,
+                q_bits=args.q_bits,
+                q_group_size=args.q_group_size,
+            )
     except HeadLoadError as exc:
         print(f"{PROG}: {exc.reason}: {exc}", file=sys.stderr)
         return 3
@@ -54,3 +65,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(out)
     return 0
+
+
+def _split_head(source: Any, out_dir: str) -> Any:
+    from pathlib import Path
+
+    from melix_mlx.loading.head_pack import write_pack
+
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} is not empty")
+    return write_pack(source, out)
