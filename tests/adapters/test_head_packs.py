@@ -81,12 +81,23 @@ def test_the_layout(parts):
     assert mx.array_equal(tensors["fc.weight"], raw["mtp.fc.weight"])
 
 
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> tuple[Path, Path]:
+    """(a tiny random qwen3_5_moe checkpoint with 2 head layers, its pack)."""
+    from melix_mlx.tools.tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("moe")
+    source = make_tiny("qwen3_5_moe", root / "source", mtp_layers=2)
+    return source, write_pack(source, root / "pack")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("mlx_vlm") is None, reason="mlx-vlm is not installed")
-def test_the_layout_is_mlx_vlms(parts, tmp_path):
+@pytest.mark.parametrize("which", ["hybrid", "moe"])
+def test_the_layout_is_mlx_vlms(parts, moe, tmp_path, which):
     from mlx_vlm.split_mtp import split_mtp
 
-    _, pack = parts
-    theirs = split_mtp(str(SOURCE), str(tmp_path / "theirs"))
+    source, pack = (SOURCE, parts[1]) if which == "hybrid" else moe
+    theirs = split_mtp(str(source), str(tmp_path / "theirs"))
     a, b = mx.load(str(theirs / "model.safetensors")), mx.load(str(pack / PACK_FILE))
     assert sorted(a) == sorted(b) and all(mx.array_equal(a[k], b[k]) for k in a)
     assert json.loads((theirs / "config.json").read_text()) == json.loads((pack / "config.json").read_text())
@@ -179,3 +190,25 @@ def test_cli_convert_split_head(parts, tmp_path, capsys):
     assert sorted(ours) == sorted(want) and all(mx.array_equal(ours[k], want[k]) for k in ours)
     assert main(["convert", "--split-head", str(target), str(tmp_path / "none")]) == 3  # no head to split
     assert "missing_head_weights" in capsys.readouterr().err
+
+
+def test_moe_pack_with_two_layers_builds_the_checkpoints_head(moe):
+    """Experts stacked, two head layers: each layer equals the one the checkpoint's own
+    tensors build; the contract passes every structural check (the random head then fails
+    its probe, as it must)."""
+    from melix_mlx.loading.head_pack import split_layers
+    from melix_mlx.loading.head_weights import build_layer
+    from melix_mlx.loading.sidecar import validate_pack
+
+    source, pack = moe
+    assert json.loads((pack / "config.json").read_text())["model_type"] == "qwen3_5_mtp"
+    model, tokenizer, own, info = load_with_heads(source)
+    assert info.head_layers == 2
+    tensors = mx.load(str(pack / PACK_FILE))
+    assert "layers.1.mlp.switch_mlp.gate_proj.weight" in tensors
+    for j, weights in split_layers(tensors, "qwen3_5_moe", 2, pack).items():
+        head = build_layer(model, "qwen3_5_moe", weights, None, pack)[0]
+        ours, theirs = dict(tree_flatten(head.parameters())), dict(tree_flatten(own.heads[j].parameters()))
+        assert sorted(ours) == sorted(theirs) and all(mx.array_equal(ours[k], theirs[k]) for k in ours), j
+    result, _ = validate_pack(source, pack, model, tokenizer)
+    assert result.failed_check == "probe"

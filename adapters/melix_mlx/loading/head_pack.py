@@ -2,8 +2,8 @@
 
 The layout (what mlx-vlm's ``split_mtp`` writes and the community publishes beside
 mlx conversions that dropped their head):
-- ``config.json``: ``model_type`` ``<family>_mtp``, ``block_size`` (head depth + 2 for the
-  Qwen families), ``tie_word_embeddings`` and the source's whole ``text_config``;
+- ``config.json``: ``model_type`` ``qwen3_5_mtp`` (for every Qwen family), ``block_size``
+  (head depth + 2), ``tie_word_embeddings`` and the source's whole ``text_config``;
 - ``model.safetensors`` (metadata ``format: mlx``): the head's tensors with the raw
   ``mtp.`` prefix stripped, in MLX form: (1+w) norms already +1, experts already stacked
   into ``switch_mlp``; no embedding, no lm_head (the target's are used);
@@ -38,7 +38,9 @@ from .head_weights import MELIX_KEY_PREFIX, read_head_weights
 from .heads import FAMILY_MODULES
 
 PACK_FILE = "model.safetensors"
-SPLIT_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # raw head under one mtp. block
+# families whose raw head is one mtp. block -> the pack's model_type (one drafter runtime
+# for the three: the source's text_config tells them apart)
+SPLIT_FAMILIES = {"qwen3_5": "qwen3_5_mtp", "qwen3_5_moe": "qwen3_5_mtp", "qwen3_next": "qwen3_5_mtp"}
 BLOCK_SIZE_EXTRA = 2  # Qwen families: block_size = head depth + 2
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
 _LAYER = re.compile(r"layers\.(\d+)\.(.*)")
@@ -57,7 +59,7 @@ def split_layers(tensors: dict[str, mx.array], family: str, layers: int, path: P
     """``{j: head layer j's parameters}`` from a split pack's tensors (layer j -> ``layers.0``)."""
     if family not in SPLIT_FAMILIES:
         raise UnsupportedModel(
-            f"{path}: the split-drafter pack layout is defined for {list(SPLIT_FAMILIES)}, not {family}",
+            f"{path}: the split-drafter pack layout is defined for {sorted(SPLIT_FAMILIES)}, not {family}",
             details={"family": family},
         )
     shared = {k: v for k, v in tensors.items() if not _LAYER.fullmatch(k)}
@@ -82,7 +84,7 @@ def write_pack(source: str | Path, out: str | Path) -> Path:
     family = detect_family(config)
     if family not in SPLIT_FAMILIES:
         raise UnsupportedModel(
-            f"{source}: the split-drafter pack layout is defined for {list(SPLIT_FAMILIES)}, not {family}",
+            f"{source}: the split-drafter pack layout is defined for {sorted(SPLIT_FAMILIES)}, not {family}",
             details={"family": family},
         )
     depth = max(advertised_head_count(config), 1)
@@ -96,7 +98,7 @@ def write_pack(source: str | Path, out: str | Path) -> Path:
             tensors[f"layers.{j}.{key.removeprefix('layers.0.')}" if layered else key] = value
     text = dict(text_config(config))
     pack_cfg = {
-        "model_type": f"{family}_mtp",
+        "model_type": SPLIT_FAMILIES[family],
         "text_config": text,
         "block_size": depth + BLOCK_SIZE_EXTRA,
         "tie_word_embeddings": bool(text.get("tie_word_embeddings", True)),
