@@ -345,3 +345,19 @@ def test_the_server_reuses_a_stored_calibration(tiny, loaded, calibrations):
     again = load_served_model(str(tiny), 2, "auto")
     assert len(calls) == 1, "a restarted server measured again instead of reusing its calibration"
     assert "timings reused from" in again.receipt["hardware"]["detail"]
+
+
+def test_the_blas_in_the_key_is_the_one_mlx_uses():
+    """A process that imported numpy (its vendored OpenBLAS mapped) keys its calibration as
+    one that did not: only a BLAS serving mlx's matmuls (the wheel's, or a preloaded one)
+    changes the key."""
+    from melix_mlx.decoding import calibration_cache as cc
+
+    def maps(*paths: str) -> str:
+        return "".join(f"7f{i:04x}-7f{i + 1:04x} r-xp 00000000 fe:00 {i} {p}\n" for i, p in enumerate(paths))
+
+    wheel = "/v/site-packages/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0"
+    numpy_copy = "/v/site-packages/numpy.libs/libscipy_openblas64_-32a4b2a6.so"
+    preloaded = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+    assert cc.blas_regime(maps(wheel, numpy_copy)) == cc.blas_regime(maps(wheel))
+    assert cc.blas_regime(maps(wheel, preloaded)) != cc.blas_regime(maps(wheel))

@@ -37,6 +37,7 @@ from typing import Any
 import msgspec
 
 from melix_fsm.policy.cost_model import TimingTable
+from melix_fsm.policy.telemetry import loaded_blas, read_proc_maps
 
 CACHE_ENV = "MELIX_FSM_CALIBRATION_CACHE"
 LAYOUT = 1  # bump when the key or the stored record changes shape
@@ -63,22 +64,18 @@ def bucket(context: int, low: int, high: int) -> int:
     return min(high, 1 << (n - 1).bit_length())
 
 
-def blas_regime() -> str:
-    """The BLAS libraries mapped into this process and their thread settings (Linux);
-    where that cannot be read, the platform's name (macOS: Accelerate)."""
-    libs: set[str] = set()
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            for line in maps:
-                name = line.rsplit("/", 1)[-1].strip()
-                if "blas" in name.lower() or "lapack" in name.lower() or "mkl" in name.lower():
-                    libs.add(name)
-    except OSError:
+def blas_regime(maps: str | None = None) -> str:
+    """The BLAS that serves mlx's float32 matmuls in this process (telemetry's reading of
+    /proc/self/maps: a preloaded OpenBLAS wins over the wheel's reference BLAS, and a copy
+    another package vendors, numpy's, is ignored) with its thread settings; where the maps
+    cannot be read, the platform's name (macOS: Accelerate). `maps`: None reads this process's."""
+    text = read_proc_maps() if maps is None else maps
+    if not text:
         return platform.system()
     threads = ",".join(
         f"{v}={os.environ[v]}" for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS") if v in os.environ
     )
-    return ";".join(sorted(libs)) + (f" [{threads}]" if threads else "")
+    return loaded_blas(text) + (f" [{threads}]" if threads else "")
 
 
 def machine_facts() -> dict[str, str]:
