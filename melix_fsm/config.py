@@ -207,3 +207,18 @@ def speculative_config(
             "(a draft model is only used with method = draft_model)",
         )
     return SpeculativeConfig(**values, sources=Sources(**sources))
+
+
+class SettingError(ConfigError, ValueError):
+    """A library keyword (`num_draft_tokens`, `device_policy`, `controller`) is unusable;
+    raised before any work. A `ValueError` too, as the decoders' earlier checks were."""
+
+
+def check_settings(num_draft_tokens: Any, device_policy: Any, controller: Any = None) -> None:
+    """Raise `SettingError` for a value the library keywords do not take (before any work)."""
+    try:
+        speculative_config(num_draft_tokens=num_draft_tokens, device_policy=device_policy)
+    except ConfigError as exc:
+        raise SettingError(exc.setting, exc.problem) from None
+    if controller is not None and device_policy is not None:
+        raise SettingError("device_policy", "pass either device_policy or controller=, not both")

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from melix_fsm import invariants
@@ -53,59 +52,16 @@ from melix_fsm.batch import Batch
 from melix_fsm.invariants import InvariantViolation
 from melix_fsm.lifecycle import Event
 
-from .divergence import BUG, Divergence, DivergenceJudge
+from .divergence import BUG, DivergenceJudge
 from .mirror import ConformanceError, ReportMirror
 from .reference import Reference, cut_at_stop, memoized, mlx_greedy_reference
+from .requests import FINISHED, LIVE, QUEUED, REMOVED, RequestSpec, Tracked
 from .surfaces import Emission, SurfaceError, as_surface
 from .tokens import check_sampled, first_difference, mismatch, note_joins, where
 
 StopBuilder = Callable[[Sequence[Sequence[int]]], Any]
 
-QUEUED, LIVE, FINISHED, REMOVED = "queued", "live", "finished", "removed"
 _FAULT = Event("fault")
-
-
-@dataclass(frozen=True)
-class RequestSpec:
-    """One request as the kit asks for it (plain data: it goes into the schedule)."""
-
-    prompt: tuple[int, ...]
-    max_tokens: int
-    stops: tuple[tuple[int, ...], ...] = ()
-    options: Mapping[str, Any] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "prompt": list(self.prompt),
-            "max_tokens": self.max_tokens,
-            "stops": [list(s) for s in self.stops],
-            "options": dict(self.options),
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> RequestSpec:
-        return cls(
-            prompt=tuple(d["prompt"]),
-            max_tokens=int(d["max_tokens"]),
-            stops=tuple(tuple(s) for s in d.get("stops", ())),
-            options=dict(d.get("options", {})),
-        )
-
-
-@dataclass
-class Tracked:
-    """The kit's view of one inserted request."""
-
-    index: int
-    spec: RequestSpec
-    expected: tuple[int, ...]
-    uid: Any = None
-    status: str = QUEUED
-    got: list[int] = field(default_factory=list)
-    tainted: bool = False  # hit a known (skipped) wrong-tokens bug: its tokens go unchecked
-    ragged: bool = False  # got its first token with a prompt of another length (left padding)
-    joined_running: bool = False  # got its first token while another request was generating
-    divergence: Divergence | None = None  # a judged near-tie that ended the checks of its tokens
 
 
 class ConformanceDriver:

@@ -17,12 +17,9 @@ Rules of this module:
 
 from __future__ import annotations
 
-from typing import Any
-
 from .mirror import ConformanceError
 from .reference import cut_at_stop
-
-Tracked = Any  # melix_fsm.testing.driver.Tracked (a cycle if imported here)
+from .requests import Tracked
 
 
 def note_joins(requests: list[Tracked], stepped: list[Tracked]) -> None:

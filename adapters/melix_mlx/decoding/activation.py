@@ -107,17 +107,7 @@ def evaluate(
     measured: Any = None  # a TimingTable, or the typed CalibrationError the controller disables on
     reused = None
     if policy is Policy.auto:
-        measured, reused = _measure(
-            model,
-            head,
-            receipt,
-            batch_size=batch_size,
-            k=max_k,
-            budget_s=budget_s,
-            group=group,
-            context=context,
-            cache=cache,
-        )
+        measured, reused = _measure(model, head, receipt, batch_size, max_k, budget_s, group, context, cache)
     table = measured if isinstance(measured, TimingTable) else None
 
     def controller_for(active: bool | None = None) -> LiveController:
@@ -158,7 +148,6 @@ def _measure(
     model: nn.Module,
     head: Any,
     receipt: Receipt,
-    *,
     batch_size: int,
     k: int,
     budget_s: float,

@@ -34,7 +34,7 @@ from melix_fsm import lifecycle as lc
 from melix_fsm.batch import Batch, Operation
 from melix_fsm.lifecycle import Signal
 
-from ..runtime import ragged_kv
+from ..runtime import batch_caches
 from ..runtime.prefill import check_prompt
 from .batch_prompts import PreparedRow, join_groups, joins_fresh, prepare_row, prepare_rows
 from .batch_rows import InsertRequest, MTPResponse, RowState
@@ -162,9 +162,11 @@ class BatchAdmission:
     ) -> None:
         """Append prefilled rows to the caches, the engine and the batch; emit their first tokens."""
         engine = self.engine
-        engine.cache = _extend_cache(engine.cache, ragged_kv.adopt(_merge_caches(caches)))
+        engine.cache = _extend_cache(engine.cache, batch_caches.adopt(_merge_caches(caches)))
         if self.head is not None:
-            engine.head_cache = _extend_cache(engine.head_cache, ragged_kv.adopt(_merge_caches(head_caches)))
+            engine.head_cache = _extend_cache(
+                engine.head_cache, batch_caches.adopt(_merge_caches(head_caches))
+            )
         engine.extend(mx.array([y for y, _ in firsts], dtype=mx.uint32), heads)
         first = len(self.batch)
         self.batch.extend(joining)

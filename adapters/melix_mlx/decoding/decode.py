@@ -67,7 +67,13 @@ from melix_fsm.reasons import RefusalReason, reason_of, refusal_text
 
 from ..loading import head_receipt
 from ..loading.errors import check_kv_group
-from ..runtime import layer_kv, ragged_kv, rollback, window_kv
+from ..runtime import (
+    batch_caches,
+    layer_kv,
+    ragged_kv,  # noqa: F401 - public: melix_mlx.decode re-exports it
+    rollback,
+    window_kv,
+)
 from ..runtime.engine import CycleEngine
 from ..runtime.engine_records import RowHead, RowPlan
 from ..runtime.hidden import main_parts
@@ -352,8 +358,8 @@ class MTPDecoder:
         if not all(type(c) is KVCache or window(c) for c in head_cache):
             return
         self._single_form = cache
-        self.engine.cache = ragged_kv.adopt(_merge_caches([cache]))
-        self.engine.head_cache = ragged_kv.adopt(_merge_caches([head_cache]))
+        self.engine.cache = batch_caches.adopt(_merge_caches([cache]))
+        self.engine.head_cache = batch_caches.adopt(_merge_caches([head_cache]))
 
     def _leave_batch_form(self) -> None:
         """Hand the caches back in mlx-lm's single-sequence form, in the caller's list."""

@@ -33,8 +33,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from melix_fsm.config import AUTO_DEPTH, DevicePolicy, Method, Source, SpeculativeConfig, speculative_config
-from melix_fsm.errors import ConfigError, MelixError
+from melix_fsm.config import (
+    AUTO_DEPTH,
+    DevicePolicy,
+    Method,
+    SettingError,
+    Source,
+    SpeculativeConfig,
+    check_settings,
+    speculative_config,
+)
+from melix_fsm.errors import MelixError
 from melix_fsm.lifecycle import Event, SequenceMachine, Signal
 from melix_fsm.reasons import RefusalReason, refusal_text
 from melix_fsm.receipt import Mode, Receipt, ServingContext, receipt_json, resolve, serving_refusal
@@ -180,11 +189,6 @@ def _load(
     return model, tokenizer, head, load_error
 
 
-class SettingError(ConfigError, ValueError):
-    """A library keyword (`num_draft_tokens`, `device_policy`, `controller`) is unusable;
-    raised before any work. A `ValueError` too, as the decoders' earlier checks were."""
-
-
 DEVICE_POLICIES = tuple(p.value for p in DevicePolicy)
 
 
@@ -199,19 +203,6 @@ class Activated:
     receipt: Receipt | None
     refusal: str | None
     machine: SequenceMachine | None = None
-
-
-def check_settings(num_draft_tokens: Any, device_policy: Any, controller: Any = None) -> None:
-    """Raise `SettingError` for a value the library keywords do not take (before any work)."""
-    try:
-        speculative_config(
-            num_draft_tokens=num_draft_tokens,
-            device_policy=device_policy,
-        )
-    except ConfigError as exc:
-        raise SettingError(exc.setting, exc.problem) from None
-    if controller is not None and device_policy is not None:
-        raise SettingError("device_policy", "pass either device_policy or controller=, not both")
 
 
 def activate(

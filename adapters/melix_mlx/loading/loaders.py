@@ -171,11 +171,9 @@ def load_with_heads(
     ``"force_on"``, ``"force_off"``): the receipt is resolved for them, and the decoders
     use them for this head when their own are left out (None: not given).
     """
-    from melix_fsm.config import speculative_config
+    from melix_fsm.config import check_settings, speculative_config
     from melix_fsm.receipt import resolve
     from melix_fsm.sidecar import find_pack
-
-    from ..decoding.startup import check_settings
 
     check_settings(num_draft_tokens, device_policy)
     given = {"num_draft_tokens": num_draft_tokens, "device_policy": device_policy}

@@ -20,9 +20,8 @@ Rules of this module:
   counts catch up once the outcome is synced (`count_holes`). This is what lets the next
   cycle be built while the current one still runs. Compaction reshapes the buffer on the
   host, so it waits for a moment with no cycle in flight (`compaction_due`).
-- `adopt` converts the `BatchKVCache` leaves mlx-lm's `merge` builds (and its
-  `BatchRotatingKVCache` leaves, to melix_mlx.runtime.window_batch's window form); every
-  other kind is left alone.
+- `adopt` converts the `BatchKVCache` leaves mlx-lm's `merge` builds; every other kind is
+  left alone (melix_mlx.runtime.batch_caches gives a merge's windows their form too).
 """
 
 from __future__ import annotations
@@ -207,12 +206,10 @@ class RaggedBatchKVCache(BatchKVCache):
 
 
 def adopt(cache: list[Any]) -> list[Any]:
-    """Turn the plain `BatchKVCache` leaves of a merged cache into ragged ones, and its
-    batch window leaves into their ragged window form (melix_mlx.runtime.window_batch), in place."""
+    """Turn the plain `BatchKVCache` leaves of a merged cache into ragged ones, in place
+    (melix_mlx.runtime.batch_caches.adopt also gives windows their form, first)."""
     from .rollback import leaves
-    from .window_batch import adopt as adopt_windows
 
-    adopt_windows(cache)
     for c in leaves(cache):
         if type(c) is BatchKVCache:
             c.__class__ = RaggedBatchKVCache

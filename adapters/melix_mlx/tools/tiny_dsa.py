@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from .tiny_layers import Init
-from .tiny_moe import _deepseek_weights
+from .tiny_moe import deepseek_weights
 from .tiny_tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
 
 _SHARED: dict[str, Any] = {
@@ -99,7 +99,7 @@ def _indexer(init: Init, p: str, c: dict) -> dict[str, mx.array]:
 
 
 def _dsa_weights(init: Init, c: dict) -> tuple[dict, dict]:
-    main, head = _deepseek_weights(init, c)
+    main, head = deepseek_weights(init, c)
     n = c["num_hidden_layers"]
     for i in range(n):
         main.update(_indexer(init, f"model.layers.{i}", c))

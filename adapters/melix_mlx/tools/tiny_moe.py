@@ -203,7 +203,7 @@ def _deepseek_layer(init: Init, p: str, c: dict, moe: bool) -> dict[str, mx.arra
     return w
 
 
-def _deepseek_weights(init: Init, c: dict) -> tuple[dict, dict]:
+def deepseek_weights(init: Init, c: dict) -> tuple[dict, dict]:
     d, v, n = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"]
     embed = init.normal((v, d), 1.0)
     main: dict[str, mx.array] = {"model.embed_tokens.weight": embed}
@@ -341,11 +341,11 @@ def _hybrid_weights(family: str):
 
 def _glm4_moe_lite_weights(init: Init, c: dict) -> tuple[dict, dict]:
     """DeepSeek-V3's HF names and conventions (MLA with unsplit ``kv_b_proj``, per-expert MoE)."""
-    return _deepseek_weights(init, c)
+    return deepseek_weights(init, c)
 
 
 BUILDERS = {
-    "deepseek_v3": _deepseek_weights,
+    "deepseek_v3": deepseek_weights,
     "glm4_moe": _glm4_moe_weights,
     "glm4_moe_lite": _glm4_moe_lite_weights,
     "qwen3_5_moe": _hybrid_weights("qwen3_5_moe"),

@@ -111,13 +111,13 @@ def from_hf(raw: dict[str, mx.array], config: dict[str, Any], layer: int = 0) ->
         if any(d in name for d in _DROP):
             continue
         w[name if name.startswith(_OWN) else f"block.{name}"] = value
-    w = _dequant_fp8(w)
+    w = dequant_fp8(w)
     _stack_experts(w, int(config.get("n_routed_experts") or 0))
-    _split_kv_b(w, config)
+    split_kv_b(w, config)
     return w
 
 
-def _dequant_fp8(w: dict[str, mx.array]) -> dict[str, mx.array]:
+def dequant_fp8(w: dict[str, mx.array]) -> dict[str, mx.array]:
     """Undo DeepSeek's fp8 storage: e4m3 weight times a per-128x128-block inverse scale."""
     out = {k: v for k, v in w.items() if not k.endswith("_scale_inv")}
     for key, scale_inv in w.items():
@@ -148,7 +148,7 @@ def _stack_experts(w: dict[str, mx.array], n_experts: int) -> None:
             w[f"block.mlp.switch_mlp.{proj}.{kind}"] = mx.stack([w.pop(k) for k in keys])
 
 
-def _split_kv_b(w: dict[str, mx.array], config: dict[str, Any]) -> None:
+def split_kv_b(w: dict[str, mx.array], config: dict[str, Any]) -> None:
     """Split MLA's ``kv_b_proj`` [H*(nope+v), kv_rank] into per-head absorb matrices."""
     key = "block.self_attn.kv_b_proj.weight"
     if key not in w:

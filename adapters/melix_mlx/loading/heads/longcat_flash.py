@@ -111,6 +111,6 @@ def from_hf(raw: dict[str, mx.array], config: dict[str, Any], layer: int = 0) ->
         w[name if name.startswith(_OWN + ("block.",)) else f"block.{name}"] = value
     if not any(k != "final_layernorm.weight" for k in w):
         return {}  # no such layer: the loader reports it
-    w = deepseek_v3._dequant_fp8(w)
-    deepseek_v3._split_kv_b(w, config)
+    w = deepseek_v3.dequant_fp8(w)
+    deepseek_v3.split_kv_b(w, config)
     return w

@@ -36,7 +36,7 @@ from mlx_lm.models.mimo_v2_flash import DecoderLayer
 
 from ...runtime.window_kv import WindowedKVCache
 from ._base import MTPHeadBase
-from .deepseek_v3 import _dequant_fp8
+from .deepseek_v3 import dequant_fp8
 
 _PREFIX = "model.mtp.layers."
 _OWN = ("enorm.", "hnorm.", "eh_proj.", "final_layernorm.")
@@ -97,4 +97,4 @@ def from_hf(raw: dict[str, mx.array], config: dict[str, Any], layer: int = 0) ->
             if name.startswith(old):
                 name = new + name[len(old) :]
         w[name if name.startswith(_OWN) else f"block.{name}"] = value
-    return _dequant_fp8(w)
+    return dequant_fp8(w)
