@@ -33,14 +33,13 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+import family_checks
 import mlx.core as mx
 import mlx_lm
 import pytest
 from decode_refs import mtp, reference
-from melix_mlx.batch_generator import MTPBatchGenerator
 from melix_mlx.decode import MTPDecoder
 from melix_mlx.loading import load_with_heads, safetensors_keys
-from melix_mlx.loading.convert import convert
 from melix_mlx.loading.heads import HEAD_CLASSES, bailing_moe_v3
 from melix_mlx.runtime.hidden import forward_with_hidden, main_parts
 from melix_mlx.runtime.sampling import make_sampler, normalize_logits, params_of, probabilities
@@ -246,58 +245,18 @@ def test_greedy_identity_single(loaded, family, k):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_identity_batched_with_removal_and_late_joiner(loaded, family):
     _, model, _, head, _ = loaded[family]
-    refs = [reference(model, p, N) for p in PROMPTS]
-    gen = MTPBatchGenerator(model, head, max_tokens=N)
-    assert gen.refusal is None
-    uids = gen.insert(PROMPTS, num_draft_tokens=[1, 2, 3])
-    out: dict[int, list[int]] = {u: [] for u in uids}
-    late = None
-    for step in range(200):
-        if not (gen.batch.uids or gen._queue):
-            break
-        for r in gen.next()[1]:
-            out[r.uid].append(r.token)
-        if step == 2:
-            gen.remove([uids[1]])
-        if step == 3:
-            (late,) = gen.insert([LATE], num_draft_tokens=[2])
-            out[late] = []
-    assert out[uids[0]] == refs[0] and out[uids[2]] == refs[2]
-    assert 0 < len(out[uids[1]]) < N and out[uids[1]] == refs[1][: len(out[uids[1]])]
-    assert late is not None and out[late] == reference(model, LATE, N)
-    assert gen.speculative_stats()["cycles"] > 0
+    family_checks.batched_identity(model, head, PROMPTS, LATE, N)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rollback_cache_equals_clean_run(loaded, family, monkeypatch):
     _, model, _, head, _ = loaded[family]
-    script = PROMPT + reference(model, PROMPT, 40)
-    scripted = ScriptedHead([script], VOCAB_SIZE, main_parts(model).args.hidden_size, wrong_every=3)
-    for name, drafter, k in (("partial", scripted, 3), ("random", head, 2)):
-        decoder, kept, _ = run_cycles(model, drafter, k, monkeypatch)
-        assert decoder.stats["rollbacks"] == CYCLES, name
-        tokenwise = clean_cache(model, [[t] for chunk in kept for t in chunk])
-        assert max_diff(decoder.cache, tokenwise) == 0.0, name
-        assert decoder.stats["replay_forwards"] == 0
+    family_checks.rollback_equals_clean_run(model, head, monkeypatch)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_4bit_identity(loaded, family, tmp_path):
-    path = loaded[family][0]
-    out = convert(path, tmp_path / f"{family}-q4", quantize=True, q_group_size=32)
-    model, _, head, info = load_with_heads(out)
-    assert info.main_quantized and info.family == family
-    hidden = main_parts(model).args.hidden_size
-    rollbacks = 0
-    for prompt in PROMPTS[::2]:
-        want = reference(model, prompt, N)
-        scripted = ScriptedHead([prompt + reference(model, prompt, N + 4)], VOCAB_SIZE, hidden, wrong_every=3)
-        for k in (1, 2):
-            assert mtp(model, head, prompt, N, k)[0] == want
-            got, decoder = mtp(model, scripted, prompt, N, k)
-            assert got == want and decoder.stats["accepted"] > 0
-            rollbacks += decoder.stats["rollbacks"]
-    assert rollbacks > 0  # the scripted head's wrong drafts were rolled back
+    family_checks.four_bit_identity(loaded[family][0], family, tmp_path, PROMPTS[::2], N)
 
 
 def test_ring_linear_target_rolls_back_exactly(monkeypatch):

@@ -34,6 +34,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import family_checks
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
@@ -41,7 +42,6 @@ import pytest
 from decode_refs import mtp, reference
 from melix_mlx.batch_generator import MTPBatchGenerator
 from melix_mlx.loading import load_with_heads, safetensors_keys
-from melix_mlx.loading.convert import convert
 from melix_mlx.loading.heads import HEAD_CLASSES
 from melix_mlx.runtime import rollback
 from melix_mlx.runtime.hidden import forward_with_hidden, main_parts
@@ -291,27 +291,7 @@ def test_greedy_identity_single(loaded, family, k):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_identity_batched_with_removal_and_late_joiner(loaded, family):
     _, model, _, head, _ = loaded[family]
-    refs = [reference(model, p, N) for p in PROMPTS]
-    gen = MTPBatchGenerator(model, head, max_tokens=N)
-    assert gen.refusal is None
-    uids = gen.insert(PROMPTS, num_draft_tokens=[1, 2, 3])
-    out: dict[int, list[int]] = {u: [] for u in uids}
-    late = None
-    for step in range(200):
-        if not (gen.batch.uids or gen._queue):
-            break
-        for r in gen.next()[1]:
-            out[r.uid].append(r.token)
-        if step == 2:
-            gen.remove([uids[1]])
-        if step == 3:
-            (late,) = gen.insert([LATE], num_draft_tokens=[2])
-            out[late] = []
-    assert out[uids[0]] == refs[0] and out[uids[2]] == refs[2]
-    assert 0 < len(out[uids[1]]) < N and out[uids[1]] == refs[1][: len(out[uids[1]])]
-    assert late is not None and out[late] == reference(model, LATE, N)
-    assert gen.speculative_stats()["cycles"] > 0
-    gen.close()
+    family_checks.batched_identity(model, head, PROMPTS, LATE, N)
 
 
 # -- rollback --------------------------------------------------------------------------------
@@ -382,21 +362,7 @@ def test_batched_rows_after_rejections_equal_a_clean_run(loaded, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_4bit_identity(loaded, family, tmp_path):
-    path = loaded[family][0]
-    out = convert(path, tmp_path / f"{family}-q4", quantize=True, q_group_size=32)
-    model, _, head, info = load_with_heads(out)
-    assert info.main_quantized and info.family == family
-    hidden = main_parts(model).args.hidden_size
-    rollbacks = 0
-    for prompt in PROMPTS[::2]:
-        want = reference(model, prompt, N)
-        scripted = ScriptedHead([prompt + reference(model, prompt, N + 4)], VOCAB_SIZE, hidden, wrong_every=3)
-        for k in (1, 2):
-            assert mtp(model, head, prompt, N, k)[0] == want
-            got, decoder = mtp(model, scripted, prompt, N, k)
-            assert got == want and decoder.stats["accepted"] > 0
-            rollbacks += decoder.stats["rollbacks"]
-    assert rollbacks > 0  # the scripted head's wrong drafts were rolled back
+    family_checks.four_bit_identity(loaded[family][0], family, tmp_path, PROMPTS[::2], N)
 
 
 def test_deepseek_v41_stays_refused_with_its_reasons() -> None:

@@ -1,0 +1,81 @@
+"""The checks every runnable family's test file runs on its own tiny checkpoints.
+
+Rules of this file:
+- Each check takes a loaded model and head (and the file's prompts) and asserts one
+  property against mlx-lm's own greedy decode; the family files parametrize over their
+  families and call these, so a property reads the same for every family.
+- `batched_identity`: MTPBatchGenerator rows at k = 1, 2, 3 in one batch, a row removed
+  mid-run (its tokens stay a prefix), a late joiner; every row equals mlx-lm's greedy.
+- `rollback_equals_clean_run`: after rejecting cycles (a scripted head wrong every third
+  draft, then the random head) the main cache equals a clean token-by-token run over the
+  confirmed tokens, bit for bit, and nothing was replayed.
+- `four_bit_identity`: a 4-bit conversion keeps the head and greedy identity, with
+  rollbacks (the scripted head's wrong drafts) exercised.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from decode_refs import mtp, reference
+from melix_mlx.batch_generator import MTPBatchGenerator
+from melix_mlx.loading import load_with_heads
+from melix_mlx.loading.convert import convert
+from melix_mlx.runtime.hidden import main_parts
+from melix_mlx.tools.tiny_tokenizer import VOCAB_SIZE
+from scripted_head import ScriptedHead
+from test_decode_rollback import CYCLES, PROMPT, clean_cache, max_diff, run_cycles
+
+
+def batched_identity(model: Any, head: Any, prompts: list[list[int]], late_prompt: list[int], n: int) -> None:
+    refs = [reference(model, p, n) for p in prompts]
+    gen = MTPBatchGenerator(model, head, max_tokens=n)
+    assert gen.refusal is None
+    uids = gen.insert(prompts, num_draft_tokens=[1, 2, 3])
+    out: dict[int, list[int]] = {u: [] for u in uids}
+    late = None
+    for step in range(200):
+        if not (gen.batch.uids or gen._queue):
+            break
+        for r in gen.next()[1]:
+            out[r.uid].append(r.token)
+        if step == 2:
+            gen.remove([uids[1]])
+        if step == 3:
+            (late,) = gen.insert([late_prompt], num_draft_tokens=[2])
+            out[late] = []
+    assert out[uids[0]] == refs[0] and out[uids[2]] == refs[2]
+    assert 0 < len(out[uids[1]]) < n and out[uids[1]] == refs[1][: len(out[uids[1]])]
+    assert late is not None and out[late] == reference(model, late_prompt, n)
+    assert gen.speculative_stats()["cycles"] > 0
+    gen.close()
+
+
+def rollback_equals_clean_run(model: Any, head: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = PROMPT + reference(model, PROMPT, 40)
+    scripted = ScriptedHead([script], VOCAB_SIZE, main_parts(model).args.hidden_size, wrong_every=3)
+    for name, drafter, k in (("partial", scripted, 3), ("random", head, 2)):
+        decoder, kept, _ = run_cycles(model, drafter, k, monkeypatch)
+        assert decoder.stats["rollbacks"] == CYCLES, name
+        tokenwise = clean_cache(model, [[t] for chunk in kept for t in chunk])
+        assert max_diff(decoder.cache, tokenwise) == 0.0, name
+        assert decoder.stats["replay_forwards"] == 0
+
+
+def four_bit_identity(path: Path, family: str, tmp_path: Path, prompts: list[list[int]], n: int) -> None:
+    out = convert(path, tmp_path / f"{family}-q4", quantize=True, q_group_size=32)
+    model, _, head, info = load_with_heads(out)
+    assert info.main_quantized and info.family == family
+    hidden = main_parts(model).args.hidden_size
+    rollbacks = 0
+    for prompt in prompts:
+        want = reference(model, prompt, n)
+        scripted = ScriptedHead([prompt + reference(model, prompt, n + 4)], VOCAB_SIZE, hidden, wrong_every=3)
+        for k in (1, 2):
+            assert mtp(model, head, prompt, n, k)[0] == want
+            got, decoder = mtp(model, scripted, prompt, n, k)
+            assert got == want and decoder.stats["accepted"] > 0
+            rollbacks += decoder.stats["rollbacks"]
+    assert rollbacks > 0  # the scripted head's wrong drafts were rolled back
