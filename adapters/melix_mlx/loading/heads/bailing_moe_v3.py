@@ -40,6 +40,7 @@ import mlx.nn as nn
 from mlx_lm.models import bailing_moe_v3
 from mlx_lm.models.base import create_attention_mask
 
+from . import deepseek_v3
 from ._base import MTPHeadBase
 
 _OWN = ("enorm.", "hnorm.", "eh_proj.", "final_layernorm.", "shared_head.")
@@ -131,35 +132,10 @@ def layer_tensors(raw: dict[str, mx.array], config: dict[str, Any], layer: int) 
     return out
 
 
-def stack_experts(w: dict[str, mx.array], n_experts: int) -> None:
-    """``block.mlp.experts.{e}.{proj}.*`` -> ``block.mlp.switch_mlp.{proj}.*`` [E, ...]."""
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        for kind in ("weight", "scales", "biases"):
-            keys = [f"block.mlp.experts.{e}.{proj}.{kind}" for e in range(n_experts)]
-            if keys and all(k in w for k in keys):  # else left: validation names what is missing
-                w[f"block.mlp.switch_mlp.{proj}.{kind}"] = mx.stack([w.pop(k) for k in keys])
-
-
-def split_kv_b(w: dict[str, mx.array], config: dict[str, Any]) -> None:
-    """MLA's ``kv_b_proj`` [H*(nope+v), kv_rank] -> per-head ``embed_q`` / ``unembed_out``."""
-    key = "block.attention.kv_b_proj.weight"
-    if key not in w:
-        return
-    nope, vdim = int(config["qk_nope_head_dim"]), int(config["v_head_dim"])
-    heads = int(config["num_attention_heads"])
-    v = w.pop(key)
-    if v.ndim != 2 or v.shape[0] != heads * (nope + vdim):
-        w[key] = v  # wrong shape: keep it so validation names it precisely
-        return
-    v = v.reshape(heads, nope + vdim, -1)
-    w["block.attention.embed_q.weight"] = mx.contiguous(v[:, :nope, :].swapaxes(-1, -2))
-    w["block.attention.unembed_out.weight"] = mx.contiguous(v[:, nope:, :])
-
-
 def from_hf(raw: dict[str, mx.array], config: dict[str, Any], layer: int = 0) -> dict:
     """Map raw HF tensors of MTP layer ``layer`` to ``MTPHead`` parameter names (experts
     stacked and ``kv_b_proj`` split, as mlx-lm's ``sanitize`` does for the main layers)."""
     w = layer_tensors(raw, config, layer)
-    stack_experts(w, int(config.get("num_experts") or 0))
-    split_kv_b(w, config)
+    deepseek_v3.stack_experts(w, int(config.get("num_experts") or 0))
+    deepseek_v3.split_kv_b(w, config, attention="attention")
     return w

@@ -112,7 +112,7 @@ def from_hf(raw: dict[str, mx.array], config: dict[str, Any], layer: int = 0) ->
             continue
         w[name if name.startswith(_OWN) else f"block.{name}"] = value
     w = dequant_fp8(w)
-    _stack_experts(w, int(config.get("n_routed_experts") or 0))
+    stack_experts(w, int(config.get("n_routed_experts") or 0))
     split_kv_b(w, config)
     return w
 
@@ -135,7 +135,7 @@ def dequant_fp8(w: dict[str, mx.array]) -> dict[str, mx.array]:
     return out
 
 
-def _stack_experts(w: dict[str, mx.array], n_experts: int) -> None:
+def stack_experts(w: dict[str, mx.array], n_experts: int) -> None:
     """``block.mlp.experts.{e}.{proj}.*`` -> ``block.mlp.switch_mlp.{proj}.*`` [E, ...]."""
     for proj in ("gate_proj", "up_proj", "down_proj"):
         for kind in ("weight", "scales", "biases"):
@@ -148,9 +148,10 @@ def _stack_experts(w: dict[str, mx.array], n_experts: int) -> None:
             w[f"block.mlp.switch_mlp.{proj}.{kind}"] = mx.stack([w.pop(k) for k in keys])
 
 
-def split_kv_b(w: dict[str, mx.array], config: dict[str, Any]) -> None:
-    """Split MLA's ``kv_b_proj`` [H*(nope+v), kv_rank] into per-head absorb matrices."""
-    key = "block.self_attn.kv_b_proj.weight"
+def split_kv_b(w: dict[str, mx.array], config: dict[str, Any], attention: str = "self_attn") -> None:
+    """Split MLA's ``kv_b_proj`` [H*(nope+v), kv_rank] into per-head absorb matrices
+    (``block.<attention>.embed_q`` / ``unembed_out``; Bailing names its attention ``attention``)."""
+    key = f"block.{attention}.kv_b_proj.weight"
     if key not in w:
         return
     nope, vdim = int(config["qk_nope_head_dim"]), int(config["v_head_dim"])
@@ -160,5 +161,5 @@ def split_kv_b(w: dict[str, mx.array], config: dict[str, Any]) -> None:
         w[key] = v  # wrong shape: keep it so validation names it precisely
         return
     v = v.reshape(heads, nope + vdim, -1)
-    w["block.self_attn.embed_q.weight"] = mx.contiguous(v[:, :nope, :].swapaxes(-1, -2))
-    w["block.self_attn.unembed_out.weight"] = mx.contiguous(v[:, nope:, :])
+    w[f"block.{attention}.embed_q.weight"] = mx.contiguous(v[:, :nope, :].swapaxes(-1, -2))
+    w[f"block.{attention}.unembed_out.weight"] = mx.contiguous(v[:, nope:, :])
