@@ -221,3 +221,15 @@ def test_batch_and_quantized_kv_are_refused_typed(model) -> None:
     family = registry().families["deepseek_v41"]
     assert family.support is Support.refused and family.refusal is RefusalReason.unsupported_model
     assert "DSpark" in family.message and family.cache_kinds == ("layer_cache",)
+
+
+def test_a_batch_of_it_is_refused_typed_before_any_row(model) -> None:
+    """mlx-lm cannot merge a LayerCache (its own BatchGenerator fails on the first join);
+    the batch generator refuses it at construction with a typed reason, not mid-run."""
+    from melix_mlx.batch_generator import MTPBatchGenerator
+    from melix_mlx.loading.errors import UnsupportedServing
+
+    with pytest.raises(UnsupportedServing) as err:
+        MTPBatchGenerator(model, None, max_tokens=4)
+    assert err.value.reason is RefusalReason.unsupported_cache_sharing
+    assert "layer_cache" in err.value.message

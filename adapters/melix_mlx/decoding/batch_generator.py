@@ -152,6 +152,11 @@ class MTPBatchGenerator(BatchAdmission, BatchSurface):
         no_head = refusal_text(RefusalReason.unsupported_model, "no MTP head loaded")
         self.refusal = refusal or (no_head if head is None else head_receipt.refusal(head))
         fresh_cache = make_prompt_cache(model, max_kv_size)
+        for c in fresh_cache:  # mlx-lm merges row caches with `merge`: without it, no batch at all
+            if not hasattr(c, "merge"):
+                from ..loading.errors import cache_without_batch_form
+
+                raise cache_without_batch_form(rollback.kind_of(c), type(c).__name__)
         if self.refusal is None:
             self.refusal = rollback.refusal(fresh_cache, model=model, batched=True)
         # A window's content depends on how a joint prefill is padded: join as mlx-lm does

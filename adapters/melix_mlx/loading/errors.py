@@ -61,6 +61,20 @@ def batched_quantized_kv() -> UnsupportedServing:
     return UnsupportedServing(blocked.refusal, f"batched cache kind 'quantized_kv': {blocked.message}")
 
 
+def cache_without_batch_form(kind: str, cls_name: str) -> UnsupportedServing:
+    """A cache class mlx-lm cannot merge into a batch at all (it has no `merge`: mlx-lm's
+    own BatchGenerator fails on it too), refused before any row is admitted."""
+    from melix_fsm.registry import registry
+
+    blocked = registry().unmergeable.get(kind)
+    why = blocked.message if blocked is not None else "mlx-lm has no batch form for it"
+    return UnsupportedServing(
+        RefusalReason.unsupported_cache_sharing,
+        f"cache {cls_name} (kind {kind!r}) has no batch form in mlx-lm (no merge): {why}; "
+        "decode it one sequence at a time",
+    )
+
+
 class UnvalidatedSidecar(HeadLoadError):
     """An MTP sidecar pack failed its validation contract (melix_fsm.sidecar).
 
