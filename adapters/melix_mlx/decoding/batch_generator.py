@@ -79,6 +79,7 @@ from melix_fsm.report import RowReport, StepReport
 from melix_fsm.stats import GenerationStats
 
 from ..loading import head_receipt
+from ..loading.errors import check_batch_form
 from ..runtime import rollback
 from ..runtime.engine import CycleEngine
 from ..runtime.engine_records import RowPlan, Settled
@@ -152,11 +153,7 @@ class MTPBatchGenerator(BatchAdmission, BatchSurface):
         no_head = refusal_text(RefusalReason.unsupported_model, "no MTP head loaded")
         self.refusal = refusal or (no_head if head is None else head_receipt.refusal(head))
         fresh_cache = make_prompt_cache(model, max_kv_size)
-        for c in fresh_cache:  # mlx-lm merges row caches with `merge`: without it, no batch at all
-            if not hasattr(c, "merge"):
-                from ..loading.errors import cache_without_batch_form
-
-                raise cache_without_batch_form(rollback.kind_of(c), type(c).__name__)
+        check_batch_form(fresh_cache, rollback.kind_of)  # mlx-lm merges rows with `merge`
         if self.refusal is None:
             self.refusal = rollback.refusal(fresh_cache, model=model, batched=True)
         # A window's content depends on how a joint prefill is padded: join as mlx-lm does

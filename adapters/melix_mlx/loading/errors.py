@@ -9,6 +9,9 @@ Rules:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from melix_fsm.errors import MelixError
 from melix_fsm.reasons import RefusalReason
 
@@ -61,18 +64,23 @@ def batched_quantized_kv() -> UnsupportedServing:
     return UnsupportedServing(blocked.refusal, f"batched cache kind 'quantized_kv': {blocked.message}")
 
 
-def cache_without_batch_form(kind: str, cls_name: str) -> UnsupportedServing:
-    """A cache class mlx-lm cannot merge into a batch at all (it has no `merge`: mlx-lm's
-    own BatchGenerator fails on it too), refused before any row is admitted."""
+def check_batch_form(cache: list[Any], kind_of: Callable[[Any], str]) -> None:
+    """Refuse, typed, a cache class mlx-lm cannot merge into a batch at all (it has no
+    `merge`: mlx-lm's own BatchGenerator fails on it at the first join too), before any
+    row is admitted. `kind_of`: the registry's name for a cache's kind."""
     from melix_fsm.registry import registry
 
-    blocked = registry().unmergeable.get(kind)
-    why = blocked.message if blocked is not None else "mlx-lm has no batch form for it"
-    return UnsupportedServing(
-        RefusalReason.unsupported_cache_sharing,
-        f"cache {cls_name} (kind {kind!r}) has no batch form in mlx-lm (no merge): {why}; "
-        "decode it one sequence at a time",
-    )
+    for c in cache:
+        if hasattr(c, "merge"):
+            continue
+        kind = kind_of(c)
+        blocked = registry().unmergeable.get(kind)
+        why = blocked.message if blocked is not None else "mlx-lm has no batch form for it"
+        raise UnsupportedServing(
+            RefusalReason.unsupported_cache_sharing,
+            f"cache {type(c).__name__} (kind {kind!r}) has no batch form in mlx-lm (no merge): {why}; "
+            "decode it one sequence at a time",
+        )
 
 
 class UnvalidatedSidecar(HeadLoadError):
