@@ -29,7 +29,10 @@ from scripted_head import ScriptedHead
 from test_decode_rollback import CYCLES, PROMPT, clean_cache, max_diff, run_cycles
 
 
-def batched_identity(model: Any, head: Any, prompts: list[list[int]], late_prompt: list[int], n: int) -> None:
+def batched_identity(
+    model: Any, head: Any, prompts: list[list[int]], late_prompt: list[int], n: int
+) -> dict[str, Any]:
+    """Returns the run's speculative stats, for a family's own further assertions."""
     refs = [reference(model, p, n) for p in prompts]
     gen = MTPBatchGenerator(model, head, max_tokens=n)
     assert gen.refusal is None
@@ -49,8 +52,10 @@ def batched_identity(model: Any, head: Any, prompts: list[list[int]], late_promp
     assert out[uids[0]] == refs[0] and out[uids[2]] == refs[2]
     assert 0 < len(out[uids[1]]) < n and out[uids[1]] == refs[1][: len(out[uids[1]])]
     assert late is not None and out[late] == reference(model, late_prompt, n)
-    assert gen.speculative_stats()["cycles"] > 0
+    stats = gen.speculative_stats()
+    assert stats["cycles"] > 0
     gen.close()
+    return stats
 
 
 def rollback_equals_clean_run(model: Any, head: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,6 +30,7 @@ import json
 import math
 from pathlib import Path
 
+import family_checks
 import mlx.core as mx
 import mlx_lm
 import pytest
@@ -225,26 +226,8 @@ def test_greedy_identity_batched_with_removal_and_late_joiner(loaded):
     # rows accept different lengths in the same cycles and select different states
     scripted = ScriptedHead([PROMPTS[0] + refs[0], PROMPTS[1] + refs[1]], VOCAB_SIZE, hidden, wrong_every=3)
     for drafter in (head, scripted):
-        gen = MTPBatchGenerator(model, drafter, max_tokens=N)
-        assert gen.refusal is None
-        uids = gen.insert(PROMPTS, num_draft_tokens=[1, 2, 3])
-        out: dict[int, list[int]] = {u: [] for u in uids}
-        late = None
-        for step in range(200):
-            if not (gen.batch.uids or gen._queue):
-                break
-            for r in gen.next()[1]:
-                out[r.uid].append(r.token)
-            if step == 2:
-                gen.remove([uids[1]])
-            if step == 3:
-                (late,) = gen.insert([LATE], num_draft_tokens=[2])
-                out[late] = []
-        assert out[uids[0]] == refs[0] and out[uids[2]] == refs[2]
-        assert 0 < len(out[uids[1]]) < N and out[uids[1]] == refs[1][: len(out[uids[1]])]
-        assert late is not None and out[late] == reference(model, LATE, N)
-        stats = gen.speculative_stats()
-        assert stats["cycles"] > 0 and stats.get("replay_forwards", 0) == 0
+        stats = family_checks.batched_identity(model, drafter, PROMPTS, LATE, N)
+        assert stats.get("replay_forwards", 0) == 0
 
 
 def test_batched_rows_select_their_own_states(loaded):
