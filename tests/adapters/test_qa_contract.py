@@ -9,6 +9,10 @@ Rules of this file:
   the contract tells a rounding near-tie from the planted wrong token.
 - `--exact` turns the contract off (every differing token a bug; the report says so);
   `--near-tie-ulps` must be positive.
+- `--simulate-rounding bfloat16` (melix_mlx.tools.qa.simulated) makes near-ties flip on
+  this CPU: the control then passes with its near-ties counted under the bfloat16
+  contract; the melix target gets the verify-noise class; a factory that loads its own
+  model cannot be put under the regime (a usage error, never a silent no-op).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from typing import Any
 import pytest
 
 pytest.importorskip("mlx_lm")
+
+import mlx.core as mx  # noqa: E402
 
 from melix_fsm.cli import main  # noqa: E402
 
@@ -119,3 +125,34 @@ def test_exact_and_bound_flags() -> None:
     foreign = argparse.Namespace(exact=False, reference="pkg.mod:fn", near_tie_ulps=None)
     assert make_judge(foreign, model=None) is None  # a foreign reference has no logits to judge by
     assert main(["qa", "mlx-lm", "--model", "stdlib-tiny", "--near-tie-ulps", "0"]) == 2
+
+
+def test_the_control_under_simulated_rounding_counts_near_ties_and_passes(
+    capsys: pytest.CaptureFixture[str], model_dir: str
+) -> None:
+    args = ["--model", model_dir, "--simulate-rounding", "bfloat16", "--temperature", "0"]
+    code, report, err = qa(capsys, "mlx-lm", *args, "--max-examples", "3", "--seed", "1", "--json")
+    assert code == 0, (report, err)
+    div = report["divergence"]
+    assert div["contract"]["dtype"] == "bfloat16" and div["bugs"] == 0
+    assert div["near_ties"] > 0  # the regime is live: without the contract these are false alarms
+    assert report["settings"]["simulated_rounding"] == "bfloat16"
+    assert "simulated bfloat16 rounding" in report["settings"]["target"]
+
+
+def test_the_regime_reaches_each_kind_of_target(model_dir: str) -> None:
+    from melix_mlx.loading import load_with_heads
+    from melix_mlx.tools.qa.simulated import NoisyModel, simulated_target
+    from melix_mlx.tools.qa.targets import Target, TargetError, resolve_target
+
+    model, _, head, _ = load_with_heads(model_dir)
+    melix = simulated_target(resolve_target("melix"), "bfloat16").build(model, head)
+    assert type(melix).__name__.startswith("SimulatedRounding_bfloat16") and melix._noise_key
+    control = simulated_target(resolve_target("mlx-lm"), "bfloat16").build(model, None)
+    assert isinstance(control.model, NoisyModel)
+    x = mx.array([[5, 6]])
+    noisy, plain = NoisyModel(model, "bfloat16")(x), model(x)
+    assert not mx.array_equal(noisy, plain)  # two positions: perturbed
+    assert mx.array_equal(NoisyModel(model, "bfloat16")(x[:, :1]), model(x[:, :1]))  # one row: mlx-lm's own
+    with pytest.raises(TargetError, match="loads its own model"):
+        simulated_target(Target("own", lambda checkpoint=None: None), "bfloat16")

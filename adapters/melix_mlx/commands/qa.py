@@ -30,6 +30,11 @@ Rules of this module:
   bit-exact); a `--reference` decoder has no logits, so it is compared exactly.
 - `--dtype` casts the loaded model (and head) before anything runs: a factory that
   takes `model` gets the cast one; one that loads its own from `checkpoint` does not.
+- `--simulate-rounding DTYPE` puts the target under a simulated rounding regime
+  (melix_mlx.tools.qa.simulated: its forwards' logits carry up to 3 ulps of DTYPE of
+  noise, so only near-ties can flip) and judges by DTYPE's contract: a check of the
+  contract itself on a machine whose kernels do not round differently (with `--exact`
+  every flip is a bug, a false alarm by design).
 - Progress goes to stderr (melix_mlx.tools.qa.progress); `--quiet` silences it.
 """
 
@@ -84,6 +89,14 @@ def register(subparsers: Any) -> None:
         help="builds the target's stop object from a list of token tuples",
     )
     add_contract_options(parser)
+    parser.add_argument(
+        "--simulate-rounding",
+        choices=("float16", "bfloat16"),
+        default=None,
+        metavar="DTYPE",
+        help="perturb the target's logits by up to 3 ulps of DTYPE (only near-ties can flip) and "
+        "judge by DTYPE's contract",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON report on stdout")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.set_defaults(run=run)
@@ -108,8 +121,13 @@ def make_judge(args: argparse.Namespace, model: Any) -> Any:
     """The divergence judge the flags ask for; None compares exactly."""
     if args.exact or getattr(args, "reference", None) is not None:
         return None
-    from melix_mlx.tools.qa.margins import contract_judge
+    from melix_mlx.tools.qa.margins import contract_judge, logits_of
 
+    simulated = getattr(args, "simulate_rounding", None)
+    if simulated is not None:  # the regime's dtype, whatever the model computes in
+        from melix_fsm.testing.divergence import DEFAULT_ULPS, judge_for
+
+        return judge_for(logits_of(model), simulated, args.near_tie_ulps or DEFAULT_ULPS)
     return contract_judge(model, args.near_tie_ulps)
 
 
@@ -174,6 +192,10 @@ def _run(args: argparse.Namespace) -> int:
         return _usage(f"--stops: {exc}".replace("TARGET", "--stops"))
     try:
         target = resolve_target(args.target)
+        if args.simulate_rounding is not None:
+            from melix_mlx.tools.qa.simulated import simulated_target
+
+            target = simulated_target(target, args.simulate_rounding)
         checkpoint = str(checkpoint_dir(args.model))
         model, head = load_model(args.model, needs_head=target.needs_head)
         if args.dtype != "auto":  # the reference decodes the same cast model object
@@ -238,6 +260,7 @@ def _hunt(
         "target": target.name,
         "model": str(args.model),
         "dtype": args.dtype,
+        "simulated_rounding": args.simulate_rounding,
         "surface": args.surface,
         "profile": args.profile,
         "seed": seed,

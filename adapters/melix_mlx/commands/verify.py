@@ -10,8 +10,8 @@ Rules of this module:
   `qa`).
 - Prints the table of parts, the divergence rate with its margins, the promise the run
   supports and what the receipt resolves to (`melix-fsm receipt M`); `--json` prints
-  the whole report instead (the file to attach to a bug). Progress goes to stderr
-  (`--quiet` silences it).
+  the whole report instead (the file to attach to a bug), `--out FILE` writes it to FILE
+  beside the printed table. Progress goes to stderr (`--quiet` silences it).
 - Profiles (melix_mlx.tools.qa.verify.PROFILES): smoke (CI), quick (the default: a few
   minutes on a laptop-sized model) and full; `--max-tokens` and `--draws` override theirs.
 - Exit status: 0 every part passed (near-ties within the contract included), 1 a bug
@@ -25,6 +25,7 @@ import argparse
 import json
 import random
 import sys
+from pathlib import Path
 from typing import Any
 
 from .qa import add_contract_options, make_judge
@@ -54,6 +55,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--draws", type=int, default=None, metavar="N", help="draws for the distribution")
     add_contract_options(parser)
     parser.add_argument("--json", action="store_true", help="one JSON report on stdout")
+    parser.add_argument(
+        "--out", default=None, metavar="FILE", help="also write the JSON report to FILE (to attach to a bug)"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.set_defaults(run=run, reference=None)
 
@@ -72,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
         return _usage("--max-tokens must be >= 4")
     if args.near_tie_ulps is not None and not args.near_tie_ulps > 0:
         return _usage("--near-tie-ulps must be > 0")
+    if args.out is not None and not Path(args.out).parent.is_dir():
+        return _usage(f"--out {args.out!r}: no such directory")
     try:
         loaded = _load(args)
     except Exception as exc:  # noqa: BLE001  (a load or set-up failure: one line, exit 2)
@@ -116,8 +122,6 @@ def _receipt(directory: str, k: int) -> dict[str, Any] | None:
 
 def _weights(directory: str) -> str:
     """ "dense", or the checkpoint's quantization (`melix-fsm convert -q` records it in config.json)."""
-    from pathlib import Path
-
     config = json.loads((Path(directory) / "config.json").read_text())
     q = config.get("quantization") or config.get("quantization_config")
     if not isinstance(q, dict) or "bits" not in q:
@@ -171,5 +175,8 @@ def _verify(args: argparse.Namespace, model: Any, head: Any, directory: str) -> 
         report.receipt = _receipt(directory, args.num_draft_tokens)
     except Exception as exc:  # noqa: BLE001  (the receipt is context: its failure is reported, not fatal)
         report.receipt = {"error": f"{type(exc).__name__}: {exc}"}
-    print(json.dumps(report.as_dict(), default=str) if args.json else report.text())
+    document = json.dumps(report.as_dict(), default=str)
+    if args.out is not None:
+        Path(args.out).write_text(document + "\n")
+    print(document if args.json else report.text())
     return report.exit_code
