@@ -9,7 +9,7 @@ multimodal positions really differ from text positions (a rope delta of -2).
 - greedy MTP decoding equals mlx-vlm's own greedy ``generate_step`` token for token, with
   an image (two images, two different outputs) and without, at k = 1..3, with rejections;
 - a head-less VL conversion takes its head from a split-drafter pack through the contract;
-- more than one row at a time is a typed refusal (one sequence at a time, for now).
+- two rows on a single-row cache are a typed refusal (batched rows: test_vlm_batch.py).
 Skipped when mlx-vlm is not installed (``pip install 'melix-fsm[vlm]'``).
 """
 
@@ -20,35 +20,29 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 pytest.importorskip("mlx_vlm")
-Image = pytest.importorskip("PIL.Image")
+pytest.importorskip("PIL.Image")
 
 from melix_mlx.loading.errors import UnsupportedServing  # noqa: E402
 from melix_mlx.loading.head_pack import write_pack  # noqa: E402
 from melix_mlx.vlm import generate, load_vlm, prepare, reference  # noqa: E402
-from melix_mlx.vlm.tiny import write_tiny_vl  # noqa: E402
+from vlm_helpers import IMAGE_PROMPT, image, loaded_vl, tiny_vl  # noqa: E402  (tests/adapters is on sys.path)
 
 from melix_fsm.reasons import RefusalReason  # noqa: E402
 
-IMAGE_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>def main(): w"
 N = 20
 
 
-def image(seed: int):
-    return Image.fromarray((np.random.default_rng(seed).random((64, 64, 3)) * 255).astype(np.uint8))
+@pytest.fixture(scope="module")
+def tiny() -> Path:
+    return tiny_vl()
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return write_tiny_vl(tmp_path_factory.mktemp("vl") / "tiny-vl")
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny):
-    return load_vlm(tiny)
+def loaded():
+    return loaded_vl()
 
 
 def test_loads_with_its_tower_and_head(loaded):
@@ -58,8 +52,9 @@ def test_loads_with_its_tower_and_head(loaded):
     assert info.vision_tower is not None and info.vision_tower.startswith("qwen3_5: depth 1")
     inputs = prepare(model, processor, IMAGE_PROMPT, [image(0)])
     assert inputs["input_ids"][0].tolist().count(processor.image_token_id) == 4
-    model.begin(inputs["input_ids"], inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
-    assert model.language_model.model.delta == -2  # multimodal positions, not text positions
+    grid = inputs["image_grid_thw"]
+    prompt = model.features(inputs["input_ids"], inputs["pixel_values"], image_grid_thw=grid)
+    assert prompt.delta == -2  # multimodal positions, not text positions
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])

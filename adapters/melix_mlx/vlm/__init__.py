@@ -6,13 +6,25 @@ Rules:
 - Importing this package needs mlx-vlm (``pip install 'melix-fsm[vlm]'``); nothing else in
   melix_mlx imports it, so the mlx-lm path neither needs nor loads it.
 - ``load_vlm`` (loading), ``VLMText`` (the language model as the engine's main model),
-  ``prepare`` / ``generate`` / ``reference`` (one prompt, with images) are the surface.
+  ``prepare`` / ``generate`` / ``reference`` (one prompt, with images) and
+  ``VLMBatchGenerator`` (batched rows with and without images) are the surface.
 """
 
 from __future__ import annotations
 
-from .generate import generate, prepare, reference
+from .batch import VLMBatchGenerator
+from .generate import generate, prepare, prompt_of, reference
 from .load import VLMInfo, load_vlm
-from .text import VLMText
+from .text import Prompt, VLMText
 
-__all__ = ["VLMInfo", "VLMText", "generate", "load_vlm", "prepare", "reference"]
+__all__ = [
+    "Prompt",
+    "VLMBatchGenerator",
+    "VLMInfo",
+    "VLMText",
+    "generate",
+    "load_vlm",
+    "prepare",
+    "prompt_of",
+    "reference",
+]

@@ -2,12 +2,13 @@
 
 Rules:
 - ``prepare`` runs mlx-vlm's own ``prepare_inputs`` (its processor: chat text with the
-  image placeholders, pixel values and the image grid) and ``VLMText.begin`` (mlx-vlm's
-  vision tower and embedding merge, its multimodal positions).
+  image placeholders, pixel values and the image grid); ``prompt_of`` then runs
+  ``VLMText.features`` (mlx-vlm's vision tower and embedding merge, its multimodal
+  positions) and puts them on a fresh cache for the prompt.
 - ``generate`` then decodes with ``MTPDecoder`` (the lifecycle, controller and receipts of
   the mlx-lm path, unchanged) over the language model; ``reference`` is mlx-vlm's own
   greedy ``generate_step`` on the same inputs, the identity every test compares with.
-- One sequence at a time.
+- One sequence here; batched rows: melix_mlx.vlm.batch.
 """
 
 from __future__ import annotations
@@ -35,14 +36,20 @@ def _vision_kw(inputs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in inputs.items() if k in ("image_grid_thw", "video_grid_thw")}
 
 
+def prompt_of(model: VLMText, inputs: dict[str, Any]) -> tuple[list[int], list[Any]]:
+    """``(prompt token ids, a fresh cache carrying its features)`` for prepared ``inputs``."""
+    ids = inputs["input_ids"]
+    prompt = model.features(ids, inputs.get("pixel_values"), **_vision_kw(inputs))
+    return ids[0].tolist(), model.prompt_cache(prompt)
+
+
 def generate(
     model: VLMText, head: Any, inputs: dict[str, Any], max_tokens: int, **decoder_kw: Any
 ) -> tuple[Iterator[tuple[int, mx.array, bool]], MTPDecoder]:
     """``(tokens as (token, logprobs, from_draft), the decoder)`` for prepared ``inputs``."""
-    ids = inputs["input_ids"]
-    model.begin(ids, inputs.get("pixel_values"), **_vision_kw(inputs))
-    decoder = MTPDecoder(model, head, **decoder_kw)
-    return decoder.generate(ids[0], max_tokens), decoder
+    ids, cache = prompt_of(model, inputs)
+    decoder = MTPDecoder(model, head, prompt_cache=cache, **decoder_kw)
+    return decoder.generate(mx.array(ids), max_tokens), decoder
 
 
 def reference(model: VLMText, inputs: dict[str, Any], max_tokens: int) -> list[int]:

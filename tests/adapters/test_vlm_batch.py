@@ -1,0 +1,61 @@
+"""Batched rows with and without images (melix_mlx.vlm.batch) on the tiny Qwen3.5 VL checkpoint.
+
+One continuous batch: an image row and a text row start together, a second image row
+joins late, the text row is removed half-way. Every row's greedy tokens equal mlx-vlm's
+own greedy ``generate_step`` for that row alone, token for token, at k = 1 and 2, with
+drafts accepted and rejected (the rows' rope deltas, -2 for an image row, carried across
+every step and reshape). Skipped when mlx-vlm is not installed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("mlx_vlm")
+pytest.importorskip("PIL.Image")
+
+from melix_mlx.vlm import VLMBatchGenerator, prepare, reference  # noqa: E402
+from vlm_helpers import IMAGE_PROMPT, TEXT_PROMPT, image, loaded_vl  # noqa: E402  (tests/adapters on sys.path)
+
+N = 12
+
+
+@pytest.fixture(scope="module")
+def rows():
+    model, processor, _, _ = loaded_vl()
+    inputs = [
+        prepare(model, processor, IMAGE_PROMPT, [image(0)]),
+        prepare(model, processor, TEXT_PROMPT),
+        prepare(model, processor, IMAGE_PROMPT, [image(1)]),
+    ]
+    return inputs, [reference(model, row, N) for row in inputs]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_image_and_text_rows_in_one_batch_are_mlx_vlms_greedy(rows, k):
+    model, _, head, _ = loaded_vl()
+    inputs, want = rows
+    gen = VLMBatchGenerator(model, head, num_draft_tokens=k, max_tokens=N)
+    first = gen.insert_inputs(inputs[:2])
+    got: dict[int, list[int]] = {}
+    stats = {}
+    for step in range(4 * N):
+        _, responses = gen.next()
+        for r in responses:
+            got.setdefault(r.uid, []).append(r.token)
+            if r.finish_reason is not None and r.uid != first[1]:
+                stats[r.uid] = r.stats
+        if step == 1:
+            late = gen.insert_inputs(inputs[2:])  # joins while the first two decode
+        if step == 3:
+            gen.remove([first[1]])  # the text row leaves mid-way
+        if step > 3 and not len(gen.batch):
+            break
+    assert got[first[0]] == want[0]
+    assert got[late[0]] == want[2]
+    text = got[first[1]]
+    assert 0 < len(text) < N and text == want[1][: len(text)]
+    assert want[0] != want[2]  # the two images give two outputs
+    accepted = sum(s.accepted for s in stats.values())
+    rejected = sum(s.rejected for s in stats.values())
+    assert accepted > 0 and rejected > 0, stats
