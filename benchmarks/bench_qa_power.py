@@ -2,7 +2,10 @@
 
 Rules of this script:
 - A script, not a test: `python benchmarks/bench_qa_power.py [--model stdlib-tiny]
-  [--seeds 0 1 2 3 4] [--conditions ...] [--out FILE]`. The continuations are drawn from
+  [--dtype float32|bfloat16] [--seeds 0 1 2 3 4] [--conditions ...] [--out FILE]`.
+  `--dtype` casts the model (the draws and the target's probabilities both come from
+  the cast model, as in `melix-fsm qa --dtype`); a `melix-fsm convert -q` directory as
+  `--model` measures 4-bit weights. The continuations are drawn from
   the law a generator with a planted sampler draws from: at each position, the target's
   own probabilities after the draw's prefix go through the planted transform: the temperature scaled by a
   factor (`temp1.05` draws at 1.05 T), the tail truncated below a probability
@@ -17,7 +20,8 @@ Rules of this script:
   `check_distribution` at alpha 1e-3, T = 1, 4 positions. Quick uses the first 2000 of
   the deep run's 8000 draws (the same draws a 2000-draw run would get in law).
 - Prints one line per (condition, profile) with detections / seeds, and writes every
-  run's p-values as JSON (`--out`), so docs quote measured numbers only.
+  run's p-values as JSON (`--out`, with the date, mlx version, dtype and weights), so
+  docs quote measured numbers only.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import argparse
 import json
 import random
 import time
+from datetime import UTC, datetime
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -95,11 +101,18 @@ def one_run(model: Any, reference: Any, probs: Any, condition: str, seed: int) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="stdlib-tiny")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--conditions", nargs="+", default=list(CONDITIONS), choices=CONDITIONS)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    model, _ = load(str(resolve_model(args.model)))
+    directory = resolve_model(args.model)
+    model, _ = load(str(directory))
+    if args.dtype is not None:
+        model.set_dtype(getattr(mx, args.dtype))
+    quant = json.loads((Path(directory) / "config.json").read_text()).get("quantization")
+    weights = f"{quant['bits']}-bit, group {quant.get('group_size')}" if isinstance(quant, dict) else "dense"
+    began = time.perf_counter()
     reference = mlx_greedy_reference(model, min_tokens=8)
     probs = target_probabilities(model, T)
     runs = []
@@ -116,7 +129,16 @@ def main() -> None:
                 flush=True,
             )
     if args.out is not None:
-        args.out.write_text(json.dumps({"model": args.model, "temperature": T, "runs": runs}, indent=1))
+        meta = {
+            "model": args.model,
+            "dtype": args.dtype or "as stored",
+            "weights": weights,
+            "temperature": T,
+            "measured": datetime.now(UTC).isoformat(timespec="minutes"),
+            "mlx": version("mlx"),
+            "seconds": round(time.perf_counter() - began),
+        }
+        args.out.write_text(json.dumps({**meta, "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 
 Rules of this module:
 - A script (`python -m melix_mlx.tools.qa.gallery [--models ...] [--regimes ...]
-  [--targets ...] [--out FILE]`), not a test: each cell is one `melix-fsm qa` process
+  [--targets ...] [--max-examples N] [--out FILE]`), not a test: each cell is one `melix-fsm qa` process
   (`--json`, seed 1, profile quick), so a cell's time and memory are its own and its
-  command is the one the docs print.
+  command is the one the docs print. `--max-examples` bounds the correct targets' rounds
+  (benchmarks/gpu.sh, where the device's time is short); the default is the profile's.
 - Targets (docs/qa_gallery.md): `mlx-lm` (mlx-lm's own BatchGenerator, the control),
   `melix` (this project's MTPBatchGenerator) and `planted`
   (tests/adapters/qa_planted_target.py's `five_bugs`: the five bug classes a public
@@ -61,7 +62,7 @@ def quantized(model: str, work: Path) -> str:
     return str(out)
 
 
-def command(target: str, model: str, regime: str, work: Path, seed: int) -> list[str]:
+def command(target: str, model: str, regime: str, work: Path, seed: int, examples: int | None) -> list[str]:
     args = ["melix-fsm", "qa", TARGETS[target], "--seed", str(seed), "--json", "--quiet"]
     if regime == "bfloat16":
         args += ["--model", model, "--dtype", "bfloat16"]
@@ -71,11 +72,15 @@ def command(target: str, model: str, regime: str, work: Path, seed: int) -> list
         args += ["--model", model, "--simulate-rounding", "bfloat16"]
     if target == "planted":
         args += ["--max-examples", "3", "--draws", "300"]
+    elif examples is not None:
+        args += ["--max-examples", str(examples)]
     return args
 
 
-def run_cell(target: str, model: str, regime: str, work: Path, seed: int) -> dict[str, Any]:
-    args = command(target, model, regime, work, seed)
+def run_cell(
+    target: str, model: str, regime: str, work: Path, seed: int, examples: int | None = None
+) -> dict[str, Any]:
+    args = command(target, model, regime, work, seed, examples)
     env = dict(os.environ)
     if target == "planted":
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLANTED_DIR), env.get("PYTHONPATH")]))
@@ -168,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=REGIMES)
     parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--max-examples", type=int, default=None, metavar="N")
     parser.add_argument("--work", type=Path, default=ROOT / ".cache" / "qa-gallery")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -177,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.models:
         for regime in args.regimes:
             for target in args.targets:
-                cell = run_cell(target, model, regime, args.work, args.seed)
+                cell = run_cell(target, model, regime, args.work, args.seed, args.max_examples)
                 cells.append(cell)
                 print(
                     f"{target:8s} {model:14s} {regime:9s} exit {cell['exit']} "
