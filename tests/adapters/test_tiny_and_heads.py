@@ -342,3 +342,22 @@ def test_tied_qwen3_5_quantized_convert_keeps_identity(tiny_checkpoint, tmp_path
         assert mx.array_equal(ref, logits).item()
         assert mx.isfinite(head(hidden[:, :-1], x[:, 1:], head.make_cache())[0]).all().item()
     assert info.main_quantized and not info.head_quantized
+
+
+@pytest.mark.parametrize("family", ["step3p5", "exaone_moe", "mimo_v2_flash"])
+def test_windowed_fixtures_widen_their_per_layer_settings(family: str, tmp_path: Path) -> None:
+    """A changed layer count resizes every per-layer list (the widened benches need it),
+    keeping the head layers' entries last; mlx-lm builds the model from it."""
+    from melix_mlx.tools import tiny_swa
+    from melix_mlx.tools.tiny import make_tiny
+
+    path = make_tiny(family, tmp_path / family, num_hidden_layers=5)
+    config = json.loads((path / "config.json").read_text())
+    default = tiny_swa.CONFIGS[family]
+    for key in tiny_swa.PER_LAYER:
+        if isinstance(default.get(key), list):
+            extra = len(default[key]) - default["num_hidden_layers"]
+            assert len(config[key]) == 5 + extra, key
+            assert config[key][5:] == default[key][default["num_hidden_layers"] :], key
+    model, _ = mlx_lm.load(str(path))
+    assert len(model.layers) == 5

@@ -162,6 +162,7 @@ def _config_for(family: str, overrides: dict[str, Any]) -> tuple[dict[str, Any],
     if family in tiny_swa.CONFIGS:  # flat configs
         text = copy.deepcopy(tiny_swa.CONFIGS[family])
         text.update(overrides)
+        tiny_swa.fit_layers(family, text)
         return text, text
     if family in tiny_linear.CONFIGS:  # flat configs
         text = copy.deepcopy(tiny_linear.CONFIGS[family])

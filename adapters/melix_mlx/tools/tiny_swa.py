@@ -158,6 +158,35 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 FAMILIES = tuple(CONFIGS)
+# per-layer settings, sized num_hidden_layers (+ the head layers for step3p5, which lists
+# them too): `fit_layers` cycles the main layers' pattern when the layer count is changed
+PER_LAYER = (
+    "layer_types",
+    "rope_theta",
+    "partial_rotary_factors",
+    "swiglu_limits",
+    "swiglu_limits_shared",
+    "hybrid_layer_pattern",
+    "moe_layer_freq",
+    "is_moe_layer",
+)
+
+
+def fit_layers(family: str, text: dict[str, Any]) -> dict[str, Any]:
+    """`text` with every per-layer list sized to its `num_hidden_layers` (widened benches)."""
+    before = CONFIGS[family]["num_hidden_layers"]
+    n = text["num_hidden_layers"]
+    if n == before:
+        return text
+    for key in PER_LAYER:
+        values = text.get(key)
+        if not isinstance(values, list) or len(values) < before:
+            continue
+        main, tail = values[:before], values[before:]  # tail: the head layers' entries
+        text[key] = [main[i % before] for i in range(n)] + tail
+    if family == "step3p5":  # its MoE layers are named by index
+        text["moe_layers_enum"] = ",".join(str(i) for i in range(1, n))
+    return text
 HEAD_COUNT_KEY = {
     "mimo_v2_flash": "num_nextn_predict_layers",
     "step3p5": "num_nextn_predict_layers",
