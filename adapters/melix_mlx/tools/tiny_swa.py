@@ -187,6 +187,8 @@ def fit_layers(family: str, text: dict[str, Any]) -> dict[str, Any]:
     if family == "step3p5":  # its MoE layers are named by index
         text["moe_layers_enum"] = ",".join(str(i) for i in range(1, n))
     return text
+
+
 HEAD_COUNT_KEY = {
     "mimo_v2_flash": "num_nextn_predict_layers",
     "step3p5": "num_nextn_predict_layers",
