@@ -17,79 +17,30 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.deepseek_v3 import DeepseekV3DecoderLayer
 
-from ._base import MTPHeadBase
+from .trunk import FusedTrunkHead
 
 _FP8_BLOCK = 128
 _OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
 _DROP = ("embed_tokens.", "rotary_emb.inv_freq")
 
 
-class _SharedHead(nn.Module):
-    def __init__(self, dim: int, vocab: int, eps: float, own_lm_head: bool) -> None:
-        super().__init__()
-        self.norm = nn.RMSNorm(dim, eps=eps)
-        if own_lm_head:
-            self.head = nn.Linear(dim, vocab, bias=False)
-
-
-class MTPHead(MTPHeadBase):
+class MTPHead(FusedTrunkHead):
     FAMILY: ClassVar[str] = "deepseek_v3"
-    CHAIN_POST_NORM: ClassVar[bool] = False
+    CHAIN_POST_NORM: ClassVar[bool] = False  # the block output; shared_head.norm only for logits
     CONCAT_ORDER: ClassVar[str] = "embedding_first"
     HAS_OWN_LM_HEAD: ClassVar[bool] = True  # shared_head.head
+    SHARED_HEAD_NORM: ClassVar[bool] = True
+    MASK_ARRAY: ClassVar[bool] = True  # MLA
 
-    def __init__(
-        self,
-        args: Any,
-        embed_tokens: nn.Module,
-        lm_head: Callable[[mx.array], mx.array],
-        own_lm_head: bool = True,
-    ) -> None:
-        super().__init__(embed_tokens, lm_head)
-        d, eps = args.hidden_size, args.rms_norm_eps
-        self.own_lm_head = own_lm_head
-        self.enorm = nn.RMSNorm(d, eps=eps)
-        self.hnorm = nn.RMSNorm(d, eps=eps)
-        self.eh_proj = nn.Linear(2 * d, d, bias=False)
-        self.block = self._make_block(args)
-        self.shared_head = _SharedHead(d, args.vocab_size, eps, own_lm_head)
-
-    @staticmethod
-    def _make_block(args: Any) -> nn.Module:
+    def _make_block(self, args: Any) -> nn.Module:
         # index num_hidden_layers: mlx-lm then picks MoE exactly as HF does for the head
         return DeepseekV3DecoderLayer(args, layer_idx=args.num_hidden_layers)
-
-    @staticmethod
-    def _mask(x: mx.array, cache: Any) -> Any:
-        # MLA wants a boolean array mask (or None for one token)
-        return create_attention_mask(x, cache, return_array=True)
-
-    def trunk(
-        self,
-        hidden: mx.array,
-        next_tokens: mx.array,
-        cache: list[Any] | None = None,
-        mask: Any = None,
-    ) -> mx.array:
-        e = self.enorm(self.embed(next_tokens))
-        h = self.hnorm(hidden)
-        x = self.eh_proj(mx.concatenate([e, h], axis=-1))
-        c = self._first(cache)
-        if mask is None:
-            mask = self._mask(x, c)
-        return self.block(x, mask, c)  # pre-norm: what depth k > 1 chains (CHAIN_POST_NORM False)
-
-    def logits(self, head_hidden: mx.array) -> mx.array:
-        normed = self.shared_head.norm(head_hidden)
-        return self.shared_head.head(normed) if self.own_lm_head else self.main_lm_head(normed)
 
 
 def is_head_key(key: str, config: dict[str, Any]) -> bool:

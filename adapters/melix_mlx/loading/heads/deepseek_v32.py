@@ -38,12 +38,10 @@ from . import deepseek_v3
 class MTPHead(deepseek_v3.MTPHead):
     FAMILY: ClassVar[str] = "deepseek_v32"
 
-    @staticmethod
-    def _make_block(args: Any) -> nn.Module:
+    def _make_block(self, args: Any) -> nn.Module:
         return DeepseekV32DecoderLayer(args, layer_idx=args.num_hidden_layers)
 
-    @staticmethod
-    def _mask(x: mx.array, cache: Any) -> Any:
+    def _mask(self, x: mx.array, cache: Any) -> Any:
         # mlx-lm masks DSA over the latent cache (the CacheList's first part)
         return create_attention_mask(x, cache[0] if cache is not None else None, return_array=True)
 

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.glm4_moe import DecoderLayer
 
 from . import deepseek_v3
@@ -26,14 +24,10 @@ from . import deepseek_v3
 
 class MTPHead(deepseek_v3.MTPHead):
     FAMILY: ClassVar[str] = "glm4_moe"
+    MASK_ARRAY: ClassVar[bool] = False  # ordinary attention: mlx-lm's own mask
 
-    @staticmethod
-    def _make_block(args: Any) -> nn.Module:
+    def _make_block(self, args: Any) -> nn.Module:
         return DecoderLayer(args, layer_idx=args.num_hidden_layers)
-
-    @staticmethod
-    def _mask(x: mx.array, cache: Any) -> Any:
-        return create_attention_mask(x, cache)
 
 
 is_head_key = deepseek_v3.is_head_key

@@ -23,8 +23,7 @@ from . import deepseek_v3
 class MTPHead(deepseek_v3.MTPHead):
     FAMILY: ClassVar[str] = "glm4_moe_lite"
 
-    @staticmethod
-    def _make_block(args: Any) -> nn.Module:
+    def _make_block(self, args: Any) -> nn.Module:
         return Glm4MoeLiteDecoderLayer(args, layer_idx=args.num_hidden_layers)
 
 
