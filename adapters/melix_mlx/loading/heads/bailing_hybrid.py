@@ -60,8 +60,7 @@ class MTPHead(bailing_moe_v3.MTPHead):
             return bailing_moe_v3.MTPHead.from_model(model, own_lm_head=own_lm_head)
         return super().from_model(model, own_lm_head=own_lm_head)
 
-    @staticmethod
-    def _make_block(args: Any) -> nn.Module:
+    def _make_block(self, args: Any) -> nn.Module:
         return bailing_hybrid.DecoderLayer(args, layer_idx=args.num_hidden_layers)
 
 

@@ -32,81 +32,31 @@ What the published sources give (facts, read in vLLM's
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import bailing_moe_v3
-from mlx_lm.models.base import create_attention_mask
 
 from . import deepseek_v3
-from ._base import MTPHeadBase
+from .trunk import FusedTrunkHead
 
 _OWN = ("enorm.", "hnorm.", "eh_proj.", "final_layernorm.", "shared_head.")
 _DROP = ("embed_tokens.", "word_embeddings.", "rotary_emb.inv_freq")
 
 
-class _SharedHead(nn.Module):
-    def __init__(self, dim: int, vocab: int, eps: float, norm: bool, own_lm_head: bool) -> None:
-        super().__init__()
-        if norm:
-            self.norm = nn.RMSNorm(dim, eps=eps)
-        if own_lm_head:
-            self.head = nn.Linear(dim, vocab, bias=False)
-
-
-class MTPHead(MTPHeadBase):
+class MTPHead(FusedTrunkHead):
     FAMILY: ClassVar[str] = "bailing_moe_v3"
-    CHAIN_POST_NORM: ClassVar[bool] = True
+    CHAIN_POST_NORM: ClassVar[bool] = True  # final_layernorm's output, chained as is
     CONCAT_ORDER: ClassVar[str] = "embedding_first"
     HAS_OWN_LM_HEAD: ClassVar[bool] = True  # shared_head.head, when stored
+    FINAL_NORM: ClassVar[str | None] = "final_layernorm"
     SHARED_HEAD_NORM: ClassVar[bool] = False  # Ling 2.5 applies deepseek_mtp's shared_head.norm
+    MASK_ARRAY: ClassVar[bool] = True  # MLA
 
-    def __init__(
-        self,
-        args: Any,
-        embed_tokens: nn.Module,
-        lm_head: Callable[[mx.array], mx.array],
-        own_lm_head: bool = False,
-    ) -> None:
-        super().__init__(embed_tokens, lm_head)
-        d, eps = args.hidden_size, args.rms_norm_eps
-        self.own_lm_head = own_lm_head
-        self.enorm = nn.RMSNorm(d, eps=eps)
-        self.hnorm = nn.RMSNorm(d, eps=eps)
-        self.eh_proj = nn.Linear(2 * d, d, bias=False)
-        self.block = self._make_block(args)
-        self.final_layernorm = nn.RMSNorm(d, eps=eps)
-        if own_lm_head or self.SHARED_HEAD_NORM:
-            self.shared_head = _SharedHead(d, args.vocab_size, eps, self.SHARED_HEAD_NORM, own_lm_head)
-
-    @staticmethod
-    def _make_block(args: Any) -> nn.Module:
+    def _make_block(self, args: Any) -> nn.Module:
         # index num_hidden_layers: mlx-lm then builds latent attention and MoE, as the head has
         return bailing_moe_v3.BailingDecoderLayer(args, args.num_hidden_layers)
-
-    def _run_block(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
-        return self.block(x, mask, cache)
-
-    def trunk(
-        self,
-        hidden: mx.array,
-        next_tokens: mx.array,
-        cache: list[Any] | None = None,
-        mask: Any = None,
-    ) -> mx.array:
-        e = self.enorm(self.embed(next_tokens))
-        h = self.hnorm(hidden)
-        x = self.eh_proj(mx.concatenate([e, h], axis=-1))
-        c = self._first(cache)
-        if mask is None:
-            mask = create_attention_mask(x, c, return_array=True)  # MLA wants an array (or None)
-        return self.final_layernorm(self._run_block(x, mask, c))  # post-norm: chained as is
-
-    def logits(self, head_hidden: mx.array) -> mx.array:
-        x = self.shared_head.norm(head_hidden) if self.SHARED_HEAD_NORM else head_hidden
-        return self.shared_head.head(x) if self.own_lm_head else self.main_lm_head(x)
 
 
 def is_head_key(key: str, config: dict[str, Any]) -> bool:
