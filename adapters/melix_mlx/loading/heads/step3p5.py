@@ -35,12 +35,9 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
 from mlx_lm.models.step3p5 import Step3p5DecoderLayer, ZeroCenteredRMSNorm
 
-from ...runtime.window_kv import WindowedKVCache
-from ._base import MTPHeadBase
+from .trunk import FusedTrunkHead
 
 _OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
 _DROP = ("embed_tokens.", "rotary_emb.inv_freq")
@@ -55,77 +52,26 @@ _REMAP = (
 )
 
 
-class _MainNorm:
-    """Plain holder: the main model's final norm stays out of the head's parameters."""
-
-    def __init__(self, norm: nn.Module) -> None:
-        self.norm = norm
-
-
-class _SharedHead(nn.Module):
-    def __init__(self, dim: int, vocab: int, eps: float, own_lm_head: bool) -> None:
-        super().__init__()
-        self.norm = ZeroCenteredRMSNorm(dim, eps=eps)
-        if own_lm_head:
-            self.head = nn.Linear(dim, vocab, bias=False)
-
-
-class MTPHead(MTPHeadBase):
+class MTPHead(FusedTrunkHead):
     FAMILY: ClassVar[str] = "step3p5"
-    CHAIN_POST_NORM: ClassVar[bool] = False
+    CHAIN_POST_NORM: ClassVar[bool] = False  # the layer output (in the main model's normed form)
     CONCAT_ORDER: ClassVar[str] = "embedding_first"
     HAS_OWN_LM_HEAD: ClassVar[bool] = True  # shared_head.output
+    SHARED_HEAD_NORM: ClassVar[bool] = True
+    NORM: ClassVar[Callable[..., nn.Module]] = ZeroCenteredRMSNorm  # HF: w, forward 1 + w
+    READS_MAIN_NORM: ClassVar[bool] = True  # w_f: the hidden arrives normed by it
 
-    def __init__(
-        self,
-        args: Any,
-        embed_tokens: nn.Module,
-        lm_head: Callable[[mx.array], mx.array],
-        own_lm_head: bool = True,
-        main_norm: nn.Module | None = None,
-    ) -> None:
-        super().__init__(embed_tokens, lm_head)
-        d, eps = args.hidden_size, args.rms_norm_eps
-        if main_norm is None:
-            raise ValueError("the step3p5 head needs the main model's final norm (MTPHead.from_model)")
-        self.own_lm_head = own_lm_head
-        self.eps = eps
-        self.enorm = ZeroCenteredRMSNorm(d, eps=eps)
-        self.hnorm = ZeroCenteredRMSNorm(d, eps=eps)
-        self.eh_proj = nn.Linear(2 * d, d, bias=False)
-        self.block = Step3p5DecoderLayer(args, args.num_hidden_layers)
-        self.window = args.sliding_window if self.block.is_sliding else None
-        self.shared_head = _SharedHead(d, args.vocab_size, eps, own_lm_head)
-        self._main = _MainNorm(main_norm)
+    def _make_block(self, args: Any) -> nn.Module:
+        return Step3p5DecoderLayer(args, args.num_hidden_layers)
 
-    @classmethod
-    def from_model(cls, model: nn.Module, *, own_lm_head: bool = False) -> MTPHead:
-        from ...runtime.hidden import main_parts
+    def _window(self, args: Any) -> int | None:
+        return args.sliding_window if self.block.is_sliding else None
 
-        parts = main_parts(model)
-        return cls(
-            parts.args, parts.embed_tokens, parts.lm_head, own_lm_head=own_lm_head, main_norm=parts.inner.norm
-        )
+    def _norm_hidden(self, hidden: mx.array) -> mx.array:
+        return hidden * (self.hnorm.weight / self._main.norm.weight)  # hnorm of the pre-norm hidden
 
-    def make_cache(self) -> list[Any]:
-        return [KVCache() if self.window is None else WindowedKVCache.unevicted(self.window)]
-
-    def trunk(
-        self,
-        hidden: mx.array,
-        next_tokens: mx.array,
-        cache: list[Any] | None = None,
-        mask: Any = None,
-    ) -> mx.array:
-        final = self._main.norm.weight
-        e = self.enorm(self.embed(next_tokens))
-        h = hidden * (self.hnorm.weight / final)  # hnorm of the pre-norm hidden (module rules)
-        x = self.eh_proj(mx.concatenate([e, h], axis=-1))
-        c = self._first(cache)
-        if mask is None:
-            mask = create_attention_mask(x, c, window_size=self.window)
-        out = self.block(x, mask=mask, cache=c)
-        return mx.fast.rms_norm(out, final, self.eps)  # the main model's form: what chains
+    def _finish(self, out: mx.array) -> mx.array:
+        return mx.fast.rms_norm(out, self._main.norm.weight, self.hnorm.eps)  # the main model's form
 
     def logits(self, head_hidden: mx.array) -> mx.array:
         normed = head_hidden * (self.shared_head.norm.weight / self._main.norm.weight)
