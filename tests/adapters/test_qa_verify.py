@@ -3,7 +3,8 @@
 Rules of this file:
 - The smoke profile (one schedule of 8 tokens, 6 probes, 100 draws) passes on an
   embedded checkpoint cast to bfloat16: exit 0, every part reported with its tokens and
-  time, the contract in the logits' dtype, the promise and the receipt in the report.
+  time, the contract in the logits' dtype, the promise and the receipt in the report;
+  `--out FILE` writes the same report.
 - An off-by-one acceptance planted in the cycle engine (both decode paths) is found:
   exit 1, a `tokens_match_reference` bug whose measured gap the contract calls a bug,
   the verdict and "none" as the promise.
@@ -46,8 +47,11 @@ def verify(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, Any, st
         return code, out, err
 
 
-def test_smoke_passes_in_bfloat16(capsys: pytest.CaptureFixture[str]) -> None:
-    code, report, err = verify(capsys, "--model", "stdlib-tiny", "--dtype", "bfloat16", *SMOKE)
+def test_smoke_passes_in_bfloat16(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    code, report, err = verify(
+        capsys, "--model", "stdlib-tiny", "--dtype", "bfloat16", *SMOKE, "--out", str(out)
+    )
     assert code == 0, (report, err)
     assert report["verdict"] == "pass" and report["bugs"] == []
     assert report["identity"] in ("bit-exact", "within contract")
@@ -60,6 +64,7 @@ def test_smoke_passes_in_bfloat16(capsys: pytest.CaptureFixture[str]) -> None:
     assert report["receipt"]["mode"] == "accepted" and report["receipt"]["resolved_method"] == "mtp"
     assert "bfloat16" in report["promise"] and report["settings"]["mlx_lm"]
     assert report["settings"]["weights"] == "dense"
+    assert json.loads(out.read_text()) == report
 
 
 def test_a_planted_acceptance_bug_fails(
@@ -88,6 +93,7 @@ def test_a_planted_acceptance_bug_fails(
         ["--model", "stdlib-tiny", "--max-tokens", "2"],
         ["--model", "/nowhere"],
         ["--model", "stdlib-tiny", "-k", "0"],
+        ["--model", "stdlib-tiny", "--out", "/nowhere/report.json"],
     ],
 )
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], args: list[str]) -> None:
