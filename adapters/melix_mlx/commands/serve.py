@@ -111,6 +111,13 @@ def register(subparsers: Any) -> None:
         "--rank-timeout", type=float, default=None, metavar="S",
         help="sharded: seconds a collective may take before the server ends as rank_lost (default 60)",
     )
+    vision = parser.add_argument_group("images (a vision-language checkpoint through mlx-vlm; docs/vlm.md)")
+    vision.add_argument("--vision", action="store_true", help="load with mlx-vlm: chats may carry images")
+    vision.add_argument("--max-images", type=int, default=4, metavar="N", help="images per request")
+    vision.add_argument(
+        "--max-image-bytes", type=int, default=4 << 20, metavar="N", help="bytes of one image (413 beyond)"
+    )
+    vision.add_argument("--allow-remote-images", action="store_true", help="fetch http(s) image urls")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.set_defaults(run=run)
 
@@ -136,6 +143,20 @@ def load_from_args(args: argparse.Namespace) -> Any:
         kv=kv_arguments(args),
         chunked_prefill=args.chunked_prefill,
         sharding=args.sharding,
+        vision=vision_from_args(args),
+    )
+
+
+def vision_from_args(args: argparse.Namespace) -> Any:
+    """The image bounds of `--vision` (melix_mlx.serve.images.VisionOptions), None without it."""
+    if not getattr(args, "vision", False):
+        return None
+    from melix_mlx.serve.images import VisionOptions
+
+    return VisionOptions(
+        max_images=args.max_images,
+        max_image_bytes=args.max_image_bytes,
+        allow_remote=args.allow_remote_images,
     )
 
 
@@ -160,6 +181,8 @@ def _problems(args: argparse.Namespace, limits: Any) -> list[str]:
     problems += check(limits)
     if args.rank_timeout is not None and not args.rank_timeout > 0:
         problems.append("--rank-timeout must be > 0")
+    if getattr(args, "max_images", 1) < 1 or getattr(args, "max_image_bytes", 1) < 1:
+        problems.append("--max-images and --max-image-bytes must be >= 1")
     return problems
 
 

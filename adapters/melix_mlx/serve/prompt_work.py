@@ -41,7 +41,11 @@ class PromptRejected(MelixError, ValueError):
 
 def tokenize(generator: Any, tokenizer: Any, request: Any, args: Any) -> tuple:
     """mlx-lm's tokenization of a request (its `_tokenize`), checked against the limit."""
-    out = ResponseGenerator._tokenize(generator, tokenizer, request, args)
+    from .images import tokenize as with_images  # image parts: mlx-vlm's processor
+
+    out = with_images(generator, tokenizer, request, args) or ResponseGenerator._tokenize(
+        generator, tokenizer, request, args
+    )
     prompt, limit = out[0], getattr(request, "max_prompt_tokens", 0)
     if not len(prompt):
         raise PromptRejected("the prompt is empty after tokenization")

@@ -59,6 +59,7 @@ from melix_fsm.errors import MelixError
 
 from ..decoding.batch_generator import MTPBatchGenerator
 from .chunks import split_segments
+from .images import ImageSafeCache, no_image_parts, row_caches
 from .plain_path import PartialHits
 from .prompt_work import Clock, PrefillBudget, tokenize
 from .seeded import row_processors, row_sampler
@@ -153,6 +154,7 @@ class ServingBatchGenerator(MTPBatchGenerator):
 
     def insert_segments(self, segments: list, *args: Any, **kwargs: Any) -> list[int]:
         first = self.next_uid
+        whole = segments  # before the cut: a VL row's prompt and images (melix_mlx.serve.images)
         held = kwargs.get("all_tokens") or [[] for _ in segments]
         last = self.budget.piece()  # the piece prefilled when the row joins: within the budget too
         cut = [split_segments(seq, len(h), self.prefill_chunk, last) for seq, h in zip(segments, held)]
@@ -163,6 +165,7 @@ class ServingBatchGenerator(MTPBatchGenerator):
                 [self._guard(first + i, p) for p in row] if row else row for i, row in enumerate(processors)
             ]
         try:
+            kwargs["caches"] = row_caches(self.model, whole, kwargs.get("caches"))
             uids = super().insert_segments(segments, *args, **kwargs)
         except Exception as exc:  # mlx-lm's loop would die of it: the request fails alone
             uids = [self.reserve_uid()]
@@ -301,6 +304,9 @@ class ServingResponseGenerator(ResponseGenerator):
         self.batch_generator: ServingBatchGenerator | None = None  # the latest one built
         self._loop = rebind(ResponseGenerator._generate, **self.substitutions())
         self._single = rebind(ResponseGenerator._serve_single, GenerationContext=self._plain_context)
+        vision = getattr(self.served, "vision", None)
+        if vision is not None:  # image tokens never key the prompt cache (melix_mlx.serve.images)
+            prompt_cache = ImageSafeCache(prompt_cache, vision.image_tokens)
         super().__init__(model_provider, prompt_cache)  # starts the generation thread
 
     @property
@@ -334,6 +340,7 @@ class ServingResponseGenerator(ResponseGenerator):
         return {
             "BatchGenerator": self._make_batch_generator,
             "GenerationContext": self._batched_context,
+            "_image_parts": no_image_parts,  # images were tokenized on the HTTP side: they batch
             "_make_sampler": row_sampler(server_module._make_sampler),
             "_make_logits_processors": row_processors(server_module._make_logits_processors),
         }
