@@ -7,8 +7,9 @@ Rules of this module:
   unchecked field): `logit_bias` keys are integers inside the vocabulary and at most
   `max_logit_bias` of them, values finite; `max_tokens` within the server's limit; `n`
   only 1; stop sequences strings, at most `max_stop`; an empty prompt or no messages is
-  refused; a message's content is a string or text parts (mlx-lm's loop dies of other
-  parts: it reads them outside its guard); `model` names the served model (or mlx-lm's
+  refused; a message's content is a string, or text parts and image parts (checked
+  against the served model by melix_mlx.serve.images; mlx-lm's loop dies of other parts:
+  it reads them outside its guard); `model` names the served model (or mlx-lm's
   "default_model"); client-chosen adapters and draft models are refused. Every refusal
   is an `ApiError` naming the field.
 - A sampled request with a seed draws in a logits processor (melix_mlx.serve.seeded): it
@@ -155,12 +156,14 @@ def completion_request(body: dict, chat: bool, limits: ServeLimits) -> ServedReq
 
 
 def _content(content: Any) -> None:
-    """A message's content: a string, or text parts (this server takes no images)."""
+    """A message's content: a string, or text and image parts."""
     if content is None or isinstance(content, str):
         return
     if not isinstance(content, list):
         raise ApiError(400, "a message's content must be a string or a list of parts", param="messages")
     for part in content:
+        if isinstance(part, dict) and part.get("type") == "image_url":
+            continue  # checked against the served model's image bounds (melix_mlx.serve.images)
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise ApiError(400, "content parts must be text parts ({\"type\": \"text\", \"text\": ...})",
                            param="messages")

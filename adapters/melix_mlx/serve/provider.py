@@ -24,6 +24,7 @@ Rules of this module:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +67,7 @@ class ServedModel:
     settings: dict[str, Any] = field(default_factory=dict)
     head_load_error: dict[str, str] | None = None
     requested_method: str = "mtp"  # the resolved method setting (speculative_config)
+    vision: Any = None  # melix_mlx.serve.images.VisionServing: images in chat content (--vision)
 
     @property
     def method(self) -> str:
@@ -84,12 +86,15 @@ def load_served_model(
     kv: dict[str, int] | None = None,
     chunked_prefill: bool = False,
     sharding: str | None = None,
+    vision: Any = None,
 ) -> ServedModel:
     """The served model for these settings (the `melix-fsm receipt` options; see the rules).
 
     `kv` holds mlx-lm's quantized-KV keyword arguments (melix_fsm.commands.options.kv_arguments).
     `sharding` (under mlx.launch): the model is sharded over the ranks (melix_mlx.runtime.distributed);
     what mlx-lm cannot shard is refused (`unsupported_sharding`) before a weight is read.
+    `vision` (melix_mlx.serve.images.VisionOptions): load the checkpoint through the mlx-vlm
+    adapter, so chat requests may carry images; the receipt notes the vision tower.
     Raises ServeRefused (typed) or ServeError (usage) before the server listens.
     """
     from melix_fsm.config import speculative_config
@@ -126,9 +131,18 @@ def load_served_model(
     try:
         # the one start-up sequence `generate` runs too: receipt, load, device policy
         # a calibration of this model on this machine is reused across restarts (one process only)
-        boot = start(
-            path, config, context, batch_size=1, sharding=sharding, calibration_cache=default_cache()
-        )
+        if vision is not None:  # the mlx-vlm adapter: images in chat content (melix_mlx.serve.images)
+            if sharding is not None:
+                raise ServeError("--vision serves one process; it does not shard")
+            from .images import start_vision
+
+            boot, vision = start_vision(
+                path, config, context, vision, batch_size=1, calibration_cache=default_cache()
+            )
+        else:
+            boot = start(
+                path, config, context, batch_size=1, sharding=sharding, calibration_cache=default_cache()
+            )
     except StartRefused as exc:
         if exc.usage:
             raise ServeError(f"{path}: {exc.message}") from exc
@@ -139,6 +153,9 @@ def load_served_model(
     refusal, head_error, receipt_data, k = boot.refusal, boot.load_error, boot.receipt_data, boot.k
     settings = dict(_config_settings(config), profile=profile, kv=dict(kv) if kv else None)
     settings.update(chunked_prefill=chunked_prefill, sharding=sharding)
+    if vision is not None:
+        receipt_data = {**receipt_data, "vision_tower": vision.tower}
+        settings.update(vision=True, **dataclasses.asdict(vision.options))
     return ServedModel(
         path=path,
         model=main,
@@ -151,6 +168,7 @@ def load_served_model(
         settings=settings,
         head_load_error=head_error,
         requested_method=config.method.value,
+        vision=vision,
     )
 
 

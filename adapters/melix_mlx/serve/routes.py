@@ -172,6 +172,8 @@ async def tokenized(state: ServeState, request: Any, args: Any, checked: bool = 
     fn = tokenize if checked else ResponseGenerator._tokenize  # unchecked: count_tokens
     try:
         return await state.tokenizing.run(fn, state.generator, state.served.tokenizer, request, args)
+    except ApiError:  # a refused image (melix_mlx.serve.images) keeps its status
+        raise
     except Exception as exc:
         if is_bad_input(exc):
             raise ApiError(400, redact(str(exc)), code="invalid_prompt") from None

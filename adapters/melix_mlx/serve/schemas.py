@@ -67,10 +67,14 @@ def chat_body(limits: ServeLimits, vocab: int) -> dict[str, Any]:
             "content": {
                 "oneOf": [
                     {"type": "string"},
-                    {"type": "array", "items": {
-                        "type": "object", "required": ["type", "text"],
-                        "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
-                    }},
+                    {"type": "array", "items": {"oneOf": [
+                        {"type": "object", "required": ["type", "text"],
+                         "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}},
+                        {"type": "object", "required": ["type", "image_url"],  # a --vision server's
+                         "properties": {"type": {"enum": ["image_url"]}, "image_url": {
+                             "type": "object", "required": ["url"], "properties": {"url": {"type": "string"}},
+                         }}},
+                    ]}},
                 ]
             },
         },

@@ -54,9 +54,17 @@ def _tower(vlm: Any, config: dict) -> str | None:
 
 
 def load_vlm(
-    path: str | Path, *, sidecar: str | Path | None = None, speculative: Any = None
+    path: str | Path,
+    *,
+    sidecar: str | Path | None = None,
+    speculative: Any = None,
+    context: Any = None,
+    machine: Any = None,
 ) -> tuple[VLMText, Any, Any, VLMInfo]:
-    """``(model, processor, head or None, info)`` for a VL checkpoint run through mlx-vlm."""
+    """``(model, processor, head or None, info)`` for a VL checkpoint run through mlx-vlm.
+
+    ``speculative`` / ``context`` / ``machine``: ``melix_fsm.receipt.resolve``'s (a server
+    resolves for a batched context)."""
     from mlx_vlm.utils import load as vlm_load
 
     from melix_fsm.receipt import resolve
@@ -72,11 +80,11 @@ def load_vlm(
     tower = _tower(vlm, config)
     if sidecar is not None:
         result, head = validate_pack(path, Path(sidecar), model, processor.tokenizer, config)
-        receipt = resolve(path, speculative, sidecar=result)
+        receipt = resolve(path, speculative, sidecar=result, context=context, machine=machine)
         if head is None or not result.validated:
             raise UnvalidatedSidecar(f"{sidecar}: {result.failure}", report=result, receipt=receipt)
     else:
-        receipt = resolve(path, speculative)
+        receipt = resolve(path, speculative, context=context, machine=machine)
         head = None
         if receipt.mode != "refused":
             layers = list(range(max(advertised_head_count(config), 1)))
