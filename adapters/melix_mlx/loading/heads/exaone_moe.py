@@ -23,35 +23,25 @@ Rules (facts from the published reference, vLLM's exaone_moe_mtp and exaone_moe)
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.exaone_moe import DecoderLayer
 
-from ._base import MTPHeadBase
+from .trunk import FusedTrunkHead
 
 _PREFIX = "mtp."
 
 
-class MTPHead(MTPHeadBase):
+class MTPHead(FusedTrunkHead):
     FAMILY: ClassVar[str] = "exaone_moe"
-    CHAIN_POST_NORM: ClassVar[bool] = True
+    CHAIN_POST_NORM: ClassVar[bool] = True  # norm's output, chained as is
     CONCAT_ORDER: ClassVar[str] = "embedding_first"
+    EMB_NORM, HIDDEN_NORM, PROJ = "pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc"
+    BLOCK, FINAL_NORM = "layers", "norm"
 
-    def __init__(self, args: Any, embed_tokens: nn.Module, lm_head: Callable[[mx.array], mx.array]) -> None:
-        super().__init__(embed_tokens, lm_head)
-        d, eps = args.hidden_size, args.rms_norm_eps
-        self.pre_fc_norm_embedding = nn.RMSNorm(d, eps=eps)
-        self.pre_fc_norm_hidden = nn.RMSNorm(d, eps=eps)
-        self.fc = nn.Linear(2 * d, d, bias=False)
-        self.layers = [self._make_layer(args)]
-        self.norm = nn.RMSNorm(d, eps=eps)
-
-    @staticmethod
-    def _make_layer(args: Any) -> nn.Module:
+    def _make_block(self, args: Any) -> nn.Module:
         # index 0 of a layer list led by the head's own (full, dense) entry; the main
         # model's types follow, so "does the model have sliding layers" reads as upstream
         head_args = dataclasses.replace(
@@ -60,25 +50,6 @@ class MTPHead(MTPHeadBase):
             is_moe_layer=[False, *args.is_moe_layer],
         )
         return DecoderLayer(head_args, 0)
-
-    def trunk(
-        self,
-        hidden: mx.array,
-        next_tokens: mx.array,
-        cache: list[Any] | None = None,
-        mask: Any = None,
-    ) -> mx.array:
-        e = self.pre_fc_norm_embedding(self.embed(next_tokens))
-        h = self.pre_fc_norm_hidden(hidden)
-        x = self.fc(mx.concatenate([e, h], axis=-1))
-        c = self._first(cache)
-        if mask is None:
-            mask = create_attention_mask(x, c)
-        x = self.layers[0](x, mask, c)
-        return self.norm(x)  # post-norm: the lm_head input, chained as is
-
-    def logits(self, head_hidden: mx.array) -> mx.array:
-        return self.main_lm_head(head_hidden)
 
 
 def is_head_key(key: str, config: dict[str, Any]) -> bool:

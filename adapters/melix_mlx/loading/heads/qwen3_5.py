@@ -15,15 +15,13 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.qwen3_5 import DecoderLayer
 
-from ._base import MTPHeadBase
+from .trunk import FusedTrunkHead
 
 # Raw checkpoints may prefix the head differently depending on who saved them.
 _PREFIXES = ("mtp.", "model.mtp.", "language_model.mtp.", "model.language_model.mtp.")
@@ -38,44 +36,16 @@ _ONE_PLUS_NORMS = (
 )
 
 
-class MTPHead(MTPHeadBase):
+class MTPHead(FusedTrunkHead):
     FAMILY: ClassVar[str] = "qwen3_5"
-    CHAIN_POST_NORM: ClassVar[bool] = True
+    CHAIN_POST_NORM: ClassVar[bool] = True  # norm's output, chained as is
     CONCAT_ORDER: ClassVar[str] = "embedding_first"
+    EMB_NORM, HIDDEN_NORM, PROJ = "pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc"
+    BLOCK, FINAL_NORM = "layers", "norm"
 
-    def __init__(self, args: Any, embed_tokens: nn.Module, lm_head: Callable[[mx.array], mx.array]) -> None:
-        super().__init__(embed_tokens, lm_head)
-        d, eps = args.hidden_size, args.rms_norm_eps
-        self.pre_fc_norm_embedding = nn.RMSNorm(d, eps=eps)
-        self.pre_fc_norm_hidden = nn.RMSNorm(d, eps=eps)
-        self.fc = nn.Linear(2 * d, d, bias=False)
-        self.layers = [self._make_layer(args)]
-        self.norm = nn.RMSNorm(d, eps=eps)
-
-    @staticmethod
-    def _make_layer(args: Any) -> nn.Module:
+    def _make_block(self, args: Any) -> nn.Module:
         # layer_idx chosen so that mlx-lm builds a full-attention (not linear) layer
         return DecoderLayer(args, layer_idx=args.full_attention_interval - 1)
-
-    def trunk(
-        self,
-        hidden: mx.array,
-        next_tokens: mx.array,
-        cache: list[Any] | None = None,
-        mask: Any = None,
-    ) -> mx.array:
-        e = self.pre_fc_norm_embedding(self.embed(next_tokens))
-        h = self.pre_fc_norm_hidden(hidden)
-        x = self.fc(mx.concatenate([e, h], axis=-1))
-        c = self._first(cache)
-        if mask is None:
-            mask = create_attention_mask(x, c)
-        x = self.layers[0](x, mask=mask, cache=c)
-        out = self.norm(x)
-        return out  # post-norm: the lm_head input, chained as is
-
-    def logits(self, head_hidden: mx.array) -> mx.array:
-        return self.main_lm_head(head_hidden)
 
 
 def is_head_key(key: str, config: dict[str, Any]) -> bool:

@@ -23,8 +23,7 @@ from . import qwen3_5
 class MTPHead(qwen3_5.MTPHead):
     FAMILY: ClassVar[str] = "qwen3_next"
 
-    @staticmethod
-    def _make_layer(args: Any) -> nn.Module:
+    def _make_block(self, args: Any) -> nn.Module:
         return Qwen3NextDecoderLayer(args, layer_idx=args.full_attention_interval - 1)
 
 
