@@ -26,65 +26,32 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.ernie4_5_moe import Ernie4_5_DecoderLayer, Ernie4_5_MLP
 
-from ._base import MTPHeadBase
+from .trunk import FusedTrunkHead
 
 _GROUPS = ("mtp_emb_norm", "mtp_hidden_norm", "mtp_linear_proj", "mtp_block")
 
 
-class MTPHead(MTPHeadBase):
+class MTPHead(FusedTrunkHead):
     FAMILY: ClassVar[str] = "ernie4_5_moe"
-    CHAIN_POST_NORM: ClassVar[bool] = False
+    CHAIN_POST_NORM: ClassVar[bool] = False  # the block output
     CONCAT_ORDER: ClassVar[str] = "embedding_first"
+    EMB_NORM, HIDDEN_NORM, PROJ, BLOCK = _GROUPS
+    PROJ_BIAS: ClassVar[str | None] = "use_bias"
+    READS_MAIN_NORM: ClassVar[bool] = True  # the main model's final norm, before the lm_head
 
-    def __init__(
-        self,
-        args: Any,
-        embed_tokens: nn.Module,
-        lm_head: Callable[[mx.array], mx.array],
-        final_norm: Callable[[mx.array], mx.array] | None = None,
-    ) -> None:
-        super().__init__(embed_tokens, lm_head)
-        d, eps = args.hidden_size, args.rms_norm_eps
-        self.mtp_emb_norm = nn.RMSNorm(d, eps=eps)
-        self.mtp_hidden_norm = nn.RMSNorm(d, eps=eps)
-        self.mtp_linear_proj = nn.Linear(2 * d, d, bias=args.use_bias)
-        self.mtp_block = Ernie4_5_DecoderLayer(args, layer_idx=0)
-        self.mtp_block.mlp = Ernie4_5_MLP(d, args.intermediate_size, args.use_bias)  # dense, always
-        # the main model's final norm, held by reference (not a head parameter)
-        self._shared.final_norm = final_norm if final_norm is not None else (lambda h: h)
-
-    @classmethod
-    def from_model(cls, model: nn.Module, *, own_lm_head: bool = False) -> MTPHead:
-        from ...runtime.hidden import main_parts
-
-        parts = main_parts(model)
-        return cls(parts.args, parts.embed_tokens, parts.lm_head, parts.inner.norm)
-
-    def trunk(
-        self,
-        hidden: mx.array,
-        next_tokens: mx.array,
-        cache: list[Any] | None = None,
-        mask: Any = None,
-    ) -> mx.array:
-        e = self.mtp_emb_norm(self.embed(next_tokens))
-        h = self.mtp_hidden_norm(hidden)
-        x = self.mtp_linear_proj(mx.concatenate([e, h], axis=-1))
-        c = self._first(cache)
-        if mask is None:
-            mask = create_attention_mask(x, c)
-        return self.mtp_block(x, mask, c)  # pre-norm: what depth k > 1 chains
+    def _make_block(self, args: Any) -> nn.Module:
+        block = Ernie4_5_DecoderLayer(args, layer_idx=0)
+        block.mlp = Ernie4_5_MLP(args.hidden_size, args.intermediate_size, args.use_bias)  # dense, always
+        return block
 
     def logits(self, head_hidden: mx.array) -> mx.array:
-        return self.main_lm_head(self._shared.final_norm(head_hidden))
+        return self.main_lm_head(self._main.norm(head_hidden))
 
 
 def is_head_key(key: str, config: dict[str, Any]) -> bool:

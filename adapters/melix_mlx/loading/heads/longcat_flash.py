@@ -25,16 +25,14 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.longcat_flash import LongcatFlashMLA, LongcatFlashMLP
 
 from . import deepseek_v3
-from ._base import MTPHeadBase
+from .trunk import FusedTrunkHead
 
 _PREFIX = "model.mtp."
 _RENAMES = (("enorm.m.", "enorm."), ("hnorm.m.", "hnorm."), ("transformer_layer.mlp.", "block.mlp."))
@@ -57,37 +55,15 @@ class _Block(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class MTPHead(MTPHeadBase):
+class MTPHead(FusedTrunkHead):
     FAMILY: ClassVar[str] = "longcat_flash"
-    CHAIN_POST_NORM: ClassVar[bool] = True
+    CHAIN_POST_NORM: ClassVar[bool] = True  # final_layernorm's output, chained as is
     CONCAT_ORDER: ClassVar[str] = "embedding_first"
+    FINAL_NORM: ClassVar[str | None] = "final_layernorm"
+    MASK_ARRAY: ClassVar[bool] = True  # latent attention
 
-    def __init__(self, args: Any, embed_tokens: nn.Module, lm_head: Callable[[mx.array], mx.array]) -> None:
-        super().__init__(embed_tokens, lm_head)
-        d, eps = args.hidden_size, args.rms_norm_eps
-        self.enorm = nn.RMSNorm(d, eps=eps)
-        self.hnorm = nn.RMSNorm(d, eps=eps)
-        self.eh_proj = nn.Linear(2 * d, d, bias=False)
-        self.block = _Block(args)
-        self.final_layernorm = nn.RMSNorm(d, eps=eps)
-
-    def trunk(
-        self,
-        hidden: mx.array,
-        next_tokens: mx.array,
-        cache: list[Any] | None = None,
-        mask: Any = None,
-    ) -> mx.array:
-        e = self.enorm(self.embed(next_tokens))
-        h = self.hnorm(hidden)
-        x = self.eh_proj(mx.concatenate([e, h], axis=-1))
-        c = self._first(cache)
-        if mask is None:  # latent attention wants a boolean array mask (None for one token)
-            mask = create_attention_mask(x, c, return_array=True)
-        return self.final_layernorm(self.block(x, mask, c))  # post-norm: chained as is
-
-    def logits(self, head_hidden: mx.array) -> mx.array:
-        return self.main_lm_head(head_hidden)
+    def _make_block(self, args: Any) -> nn.Module:
+        return _Block(args)
 
 
 def is_head_key(key: str, config: dict[str, Any]) -> bool:

@@ -10,53 +10,27 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.mimo import TransformerBlock
 
-from ._base import MTPHeadBase
+from .trunk import FusedTrunkHead
 
 _PREFIX = "model.mtp_layers."
 _OWN = ("token_layernorm.", "hidden_layernorm.", "input_proj.", "final_layernorm.")
 
 
-class MTPHead(MTPHeadBase):
+class MTPHead(FusedTrunkHead):
     FAMILY: ClassVar[str] = "mimo"
-    CHAIN_POST_NORM: ClassVar[bool] = True
+    CHAIN_POST_NORM: ClassVar[bool] = True  # final_layernorm's output, chained as is
     CONCAT_ORDER: ClassVar[str] = "hidden_first"
+    EMB_NORM, HIDDEN_NORM, PROJ = "token_layernorm", "hidden_layernorm", "input_proj"
+    FINAL_NORM: ClassVar[str | None] = "final_layernorm"
 
-    def __init__(self, args: Any, embed_tokens: nn.Module, lm_head: Callable[[mx.array], mx.array]) -> None:
-        super().__init__(embed_tokens, lm_head)
-        d, eps = args.hidden_size, args.rms_norm_eps
-        self.token_layernorm = nn.RMSNorm(d, eps=eps)
-        self.hidden_layernorm = nn.RMSNorm(d, eps=eps)
-        self.input_proj = nn.Linear(2 * d, d, bias=False)
-        self.block = TransformerBlock(args)
-        self.final_layernorm = nn.RMSNorm(d, eps=eps)
-
-    def trunk(
-        self,
-        hidden: mx.array,
-        next_tokens: mx.array,
-        cache: list[Any] | None = None,
-        mask: Any = None,
-    ) -> mx.array:
-        h = self.hidden_layernorm(hidden)
-        e = self.token_layernorm(self.embed(next_tokens))
-        x = self.input_proj(mx.concatenate([h, e], axis=-1))
-        c = self._first(cache)
-        if mask is None:
-            mask = create_attention_mask(x, c)
-        x = self.block(x, mask, c)
-        out = self.final_layernorm(x)
-        return out  # post-norm: the lm_head input, chained as is
-
-    def logits(self, head_hidden: mx.array) -> mx.array:
-        return self.main_lm_head(head_hidden)
+    def _make_block(self, args: Any) -> nn.Module:
+        return TransformerBlock(args)
 
 
 def is_head_key(key: str, config: dict[str, Any]) -> bool:

@@ -26,59 +26,32 @@ Rules (facts from the published reference, vLLM's mimo_v2_mtp):
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.mimo_v2_flash import DecoderLayer
 
-from ...runtime.window_kv import WindowedKVCache
-from ._base import MTPHeadBase
 from .deepseek_v3 import dequant_fp8
+from .trunk import FusedTrunkHead
 
 _PREFIX = "model.mtp.layers."
 _OWN = ("enorm.", "hnorm.", "eh_proj.", "final_layernorm.")
 _RENAME = {"pre_mlp_layernorm.": "post_attention_layernorm."}
 
 
-class MTPHead(MTPHeadBase):
+class MTPHead(FusedTrunkHead):
     FAMILY: ClassVar[str] = "mimo_v2_flash"
-    CHAIN_POST_NORM: ClassVar[bool] = True
+    CHAIN_POST_NORM: ClassVar[bool] = True  # final_layernorm's output, chained as is
     CONCAT_ORDER: ClassVar[str] = "embedding_first"
+    FINAL_NORM: ClassVar[str | None] = "final_layernorm"
+    EPS: ClassVar[str] = "layernorm_epsilon"
 
-    def __init__(self, args: Any, embed_tokens: nn.Module, lm_head: Callable[[mx.array], mx.array]) -> None:
-        super().__init__(embed_tokens, lm_head)
-        d, eps = args.hidden_size, args.layernorm_epsilon
-        self.window = args.sliding_window_size
-        self.enorm = nn.RMSNorm(d, eps=eps)
-        self.hnorm = nn.RMSNorm(d, eps=eps)
-        self.eh_proj = nn.Linear(2 * d, d, bias=False)
-        self.block = DecoderLayer(args, is_moe=False, is_sliding_window=True)
-        self.final_layernorm = nn.RMSNorm(d, eps=eps)
+    def _make_block(self, args: Any) -> nn.Module:
+        return DecoderLayer(args, is_moe=False, is_sliding_window=True)
 
-    def make_cache(self) -> list[Any]:
-        return [WindowedKVCache.unevicted(self.window)]
-
-    def trunk(
-        self,
-        hidden: mx.array,
-        next_tokens: mx.array,
-        cache: list[Any] | None = None,
-        mask: Any = None,
-    ) -> mx.array:
-        e = self.enorm(self.embed(next_tokens))
-        h = self.hnorm(hidden)
-        x = self.eh_proj(mx.concatenate([e, h], axis=-1))
-        c = self._first(cache)
-        if mask is None:
-            mask = create_attention_mask(x, c, window_size=self.window)
-        x = self.block(x, mask, c)
-        return self.final_layernorm(x)  # post-norm: the lm_head input, chained as is
-
-    def logits(self, head_hidden: mx.array) -> mx.array:
-        return self.main_lm_head(head_hidden)
+    def _window(self, args: Any) -> int | None:
+        return args.sliding_window_size
 
 
 def is_head_key(key: str, config: dict[str, Any]) -> bool:
