@@ -41,11 +41,10 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.nemotron_h import ModelArgs, NemotronHBlock
 
 from ..errors import HeadShapeMismatch, UnsupportedModel
-from ._base import MTPHeadBase
+from .trunk import FusedTrunkHead
 
 _PREFIXES = ("mtp.", "language_model.mtp.", "model.language_model.mtp.")
 _FIRST = ("enorm.", "hnorm.", "eh_proj.")  # on sub-layer 0 in the checkpoint
@@ -98,10 +97,12 @@ def weights_pattern(weights: dict[str, mx.array]) -> str:
     return "".join(kinds[i] for i in range(len(kinds)))
 
 
-class MTPHead(MTPHeadBase):
+class MTPHead(FusedTrunkHead):
     FAMILY: ClassVar[str] = "nemotron_h"
-    CHAIN_POST_NORM: ClassVar[bool] = True
+    CHAIN_POST_NORM: ClassVar[bool] = True  # final_layernorm's output, chained as is
     CONCAT_ORDER: ClassVar[str] = "embedding_first"
+    BLOCK, FINAL_NORM = "layers", "final_layernorm"
+    EPS: ClassVar[str] = "layer_norm_epsilon"
 
     def __init__(
         self,
@@ -109,14 +110,10 @@ class MTPHead(MTPHeadBase):
         embed_tokens: nn.Module,
         lm_head: Callable[[mx.array], mx.array],
         pattern: str = PUBLISHED_PATTERN,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(embed_tokens, lm_head)
-        d, eps = args.hidden_size, args.layer_norm_epsilon
-        self.enorm = nn.RMSNorm(d, eps=eps)
-        self.hnorm = nn.RMSNorm(d, eps=eps)
-        self.eh_proj = nn.Linear(2 * d, d, bias=False)
-        self.layers = [NemotronHBlock(args, kind) for kind in _check_pattern(pattern)]
-        self.final_layernorm = nn.RMSNorm(d, eps=eps)
+        self.pattern = _check_pattern(pattern)  # read by _make_layers, inside the base's __init__
+        super().__init__(args, embed_tokens, lm_head, **kwargs)
         self.NUM_LAYERS = pattern.count("*")  # caches: one per attention sub-layer
 
     @classmethod
@@ -129,26 +126,16 @@ class MTPHead(MTPHeadBase):
         parts = main_parts(model)
         return cls(parts.args, parts.embed_tokens, parts.lm_head, pattern=weights_pattern(weights))
 
-    def trunk(
-        self,
-        hidden: mx.array,
-        next_tokens: mx.array,
-        cache: list[Any] | None = None,
-        mask: Any = None,
-    ) -> mx.array:
-        e = self.enorm(self.embed(next_tokens))
-        h = self.hnorm(hidden)
-        x = self.eh_proj(mx.concatenate([e, h], axis=-1))
-        caches = iter(cache or [])
-        if mask is None:
-            mask = create_attention_mask(x, cache[0] if cache else None)
-        for layer in self.layers:
-            c = next(caches, None) if layer.block_type == "*" else None
-            x = layer(x, mask=mask if layer.block_type == "*" else None, cache=c)
-        return self.final_layernorm(x)  # post-norm: the lm_head input, chained as is
+    def _make_layers(self, args: Any) -> list[nn.Module]:
+        return [NemotronHBlock(args, kind) for kind in self.pattern]
 
-    def logits(self, head_hidden: mx.array) -> mx.array:
-        return self.main_lm_head(head_hidden)
+    def _run_block(self, x: mx.array, mask: Any, cache: list[Any] | None) -> mx.array:
+        # every attention sub-layer takes the next cache and the shared mask; the rest neither
+        caches = iter(cache or [])
+        for layer in self.layers:
+            attends = layer.block_type == "*"
+            x = layer(x, mask=mask if attends else None, cache=next(caches, None) if attends else None)
+        return x
 
 
 def _strip(key: str) -> str | None:
