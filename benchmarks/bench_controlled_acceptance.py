@@ -70,6 +70,7 @@ FIELDS = (
     "ratio_max",
     "ideal_ratio",
     "efficiency",
+    "efficiencies",
     "acceptance_rate",
     "per_position_acceptance",
     "aa_ratios",
@@ -119,7 +120,8 @@ def bench_family(family: str, path: str, args: argparse.Namespace) -> dict[str, 
         if args.clock == "cpu":
             row = _cpu_cell(bench, size, args.k)
         else:
-            row = {name: getattr(cell(size), name) for name in FIELDS}
+            measured = cell(size)  # one run of the cell: every field from the same repeats
+            row = {name: getattr(measured, name) for name in FIELDS}
         out["single" if size == 1 else f"batch{size}"] = row
     return out
 
@@ -190,6 +192,7 @@ def _cpu_cell(bench: Bench, size: int, k: int) -> dict[str, Any]:
         "ratio_max": max(ratios),
         "ideal_ratio": statistics.median(ideals) if ideals else None,
         "efficiency": statistics.median(effs) if effs else None,
+        "efficiencies": effs,
         "acceptance_rate": accepted / max(proposed, 1),
         "aa_ratios": aa,
         # on a contended machine noise only adds time: the fastest runs' ratio is the
@@ -229,14 +232,28 @@ def _fmt(v: Any) -> str:
     return f"{v:.3f}" if isinstance(v, float) else "-"
 
 
+def quartiles(values: list[float] | None) -> list[float] | None:
+    """The first and third quartile of the repeats' efficiencies (their spread)."""
+    if not values or len(values) < 2:
+        return None
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return [q[0], q[2]]
+
+
+def _quartiles(values: list[float] | None) -> str:
+    q = quartiles(values)
+    return "-" if q is None else f"{q[0]:.2f}-{q[1]:.2f}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--families", nargs="+", default=["ernie4_5_moe", "longcat_flash", "deepseek_v3"])
     parser.add_argument("--p", type=float, default=0.8)
     parser.add_argument("--k", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=48)
-    parser.add_argument("--reps", type=int, default=3)
+    # short runs are a few dozen cycles: a stray millisecond moves a repeat by several per cent
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--calibration-tries", type=int, default=5)
     parser.add_argument(
@@ -264,7 +281,8 @@ def main() -> int:
         file=sys.stderr,
     )
     print(
-        f"{'family':14} {'cell':7} {'speedup':>8} {'ideal':>7} {'effic':>7} {'accept':>7} {'A/A':>12} "
+        f"{'family':14} {'cell':7} {'speedup':>8} {'ideal':>7} {'effic':>7} {'quartiles':>11} "
+        f"{'accept':>7} {'A/A':>12} "
         f"{'fastest: speedup':>17} {'effic':>6}",
         file=sys.stderr,
     )
@@ -276,7 +294,8 @@ def main() -> int:
             aa_s = f"{min(aa):.2f}-{max(aa):.2f}" if aa else "-"
             print(
                 f"{family:14} {name:7} {_fmt(row['ratio']):>8} {_fmt(row['ideal_ratio']):>7} "
-                f"{_fmt(row['efficiency']):>7} {_fmt(row['acceptance_rate']):>7} {aa_s:>12} "
+                f"{_fmt(row['efficiency']):>7} {_quartiles(row.get('efficiencies')):>11} "
+                f"{_fmt(row['acceptance_rate']):>7} {aa_s:>12} "
                 f"{_fmt(row.get('ratio_of_fastest')):>17} {_fmt(row.get('efficiency_of_fastest')):>6}",
                 file=sys.stderr,
             )
@@ -295,6 +314,9 @@ def _merge(path: Path, result: dict[str, Any], args: argparse.Namespace) -> None
         families[family] = {
             "batch_1": cells["single"]["efficiency"],
             f"batch_{args.batch}": cells[f"batch{args.batch}"]["efficiency"],
+            "batch_1_quartiles": quartiles(cells["single"].get("efficiencies")),
+            f"batch_{args.batch}_quartiles": quartiles(cells[f"batch{args.batch}"].get("efficiencies")),
+            "shape": {"hidden_size": args.hidden, "num_hidden_layers": args.layers, "tokens": args.tokens},
             "p": args.p,
             "k": args.k,
             "regime": result["regime"],

@@ -507,9 +507,10 @@ class Bench:
         cost = timings.cycle_cost
         ideals = [expected_tokens_from_positions(r["per_position_acceptance"][: cell.k]) / cost for r in runs]
         cell.ideal_ratio = _median(ideals)
-        cell.efficiency = _median(
+        cell.efficiencies = [
             m / b / ideal for (b, m), ideal in zip(cell.samples, ideals) if b > 0 and ideal > 0
-        )
+        ]
+        cell.efficiency = _median(cell.efficiencies)
         if clock.cycles:
             parts = clock.per_cycle()
             cycle = sum(parts.values())

@@ -42,6 +42,7 @@ class Cell:
     baseline_peak_memory_gb: float = 0.0
     ideal_ratio: float | None = None
     efficiency: float | None = None  # ratio / ideal_ratio
+    efficiencies: list[float] = field(default_factory=list)  # per repeat (efficiency: their median)
     batch_fill: float | None = None  # busy rows per verify forward / B (forced on; batch cells)
     breakdown_ms: dict[str, float] = field(default_factory=dict)  # per cycle
     # prompt-phase tokens/s, MTP (forced on) over mlx-lm, median: what the head's pass over
