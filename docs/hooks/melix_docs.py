@@ -132,14 +132,21 @@ def machines_table() -> str:
 
 
 def measured_efficiency(path: Path = EFFICIENCY_RESULTS) -> dict[str, str]:
-    """Family -> "batch 1 / batch 4" efficiency from the controlled-acceptance bench's results."""
+    """Family -> "batch 1 / batch 4" efficiency (median, and the repeats' quartiles where
+    recorded) from the controlled-acceptance bench's results."""
     if not path.is_file():
         return {}
     data = json.loads(path.read_text(encoding="utf-8"))
     out = {}
     for family, cells in data.get("families", {}).items():
-        figures = [cells.get(key) for key in ("batch_1", "batch_4")]
-        out[family] = " / ".join("-" if f is None else f"{f:.2f}" for f in figures)
+        figures = []
+        for key in ("batch_1", "batch_4"):
+            median, quartiles = cells.get(key), cells.get(f"{key}_quartiles")
+            text = "-" if median is None else f"{median:.2f}"
+            if median is not None and quartiles:
+                text += f" ({quartiles[0]:.2f}-{quartiles[1]:.2f})"
+            figures.append(text)
+        out[family] = " / ".join(figures)
     return out
 
 
