@@ -44,7 +44,7 @@ import mlx.nn as nn
 from mlx_lm.models import bailing_hybrid
 from mlx_lm.models import bailing_moe_v3 as mlx_bailing_moe_v3
 
-from . import bailing_moe_v3, deepseek_v3
+from . import bailing_moe_v3, mapping
 from ._base import MTPHeadBase
 
 _V3_ARCHITECTURE = "BailingMoeV3ForCausalLM"
@@ -81,6 +81,6 @@ def from_hf(raw: dict[str, mx.array], config: dict[str, Any], layer: int = 0) ->
     for kind in ("weight", "bias"):
         if (key := f"block.mlp.gate.{kind}") in w:
             w[f"block.mlp.gate.gate_proj.{kind}"] = w.pop(key)
-    deepseek_v3.stack_experts(w, int(config.get("num_experts") or 0))
-    deepseek_v3.split_kv_b(w, config, attention="attention")
+    mapping.stack_experts(w, "block.mlp", int(config.get("num_experts") or 0))
+    mapping.split_kv_b(w, config, attention="attention")
     return w

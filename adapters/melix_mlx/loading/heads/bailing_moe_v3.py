@@ -38,11 +38,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import bailing_moe_v3
 
-from . import deepseek_v3
+from . import mapping
 from .trunk import FusedTrunkHead
 
 _OWN = ("enorm.", "hnorm.", "eh_proj.", "final_layernorm.", "shared_head.")
-_DROP = ("embed_tokens.", "word_embeddings.", "rotary_emb.inv_freq")
+_DROP = ("embed_tokens.", "word_embeddings.", mapping.ROPE_TABLE)
 
 
 class MTPHead(FusedTrunkHead):
@@ -59,33 +59,24 @@ class MTPHead(FusedTrunkHead):
         return bailing_moe_v3.BailingDecoderLayer(args, args.num_hidden_layers)
 
 
-def is_head_key(key: str, config: dict[str, Any]) -> bool:
-    if not key.startswith("model.layers."):
-        return False
-    idx = key.split(".", 3)[2]
-    return idx.isdigit() and int(idx) >= int(config["num_hidden_layers"])
+is_head_key = mapping.is_appended_layer_key
+
+
+def _rename(name: str) -> str:
+    return name.replace("mlp.gate.e_score_correction_bias", "mlp.gate.expert_bias")
 
 
 def layer_tensors(raw: dict[str, mx.array], config: dict[str, Any], layer: int) -> dict[str, mx.array]:
     """Raw tensors of head layer ``layer`` under head names (own names kept, the decoder
     layer's under ``block.``), copies of the shared embedding dropped."""
-    prefix = f"model.layers.{int(config['num_hidden_layers']) + layer}."
-    out: dict[str, mx.array] = {}
-    for key, value in raw.items():
-        if not key.startswith(prefix):
-            continue
-        name = key[len(prefix) :]
-        if any(d in name for d in _DROP):
-            continue
-        name = name.replace("mlp.gate.e_score_correction_bias", "mlp.gate.expert_bias")
-        out[name if name.startswith(_OWN) else f"block.{name}"] = value
-    return out
+    prefix = mapping.appended_layer_prefix(config, layer)
+    return mapping.layer_tensors(raw, prefix, _OWN, drop=_DROP, rename=_rename)
 
 
 def from_hf(raw: dict[str, mx.array], config: dict[str, Any], layer: int = 0) -> dict:
     """Map raw HF tensors of MTP layer ``layer`` to ``MTPHead`` parameter names (experts
     stacked and ``kv_b_proj`` split, as mlx-lm's ``sanitize`` does for the main layers)."""
     w = layer_tensors(raw, config, layer)
-    deepseek_v3.stack_experts(w, int(config.get("num_experts") or 0))
-    deepseek_v3.split_kv_b(w, config, attention="attention")
+    mapping.stack_experts(w, "block.mlp", int(config.get("num_experts") or 0))
+    mapping.split_kv_b(w, config, attention="attention")
     return w

@@ -23,11 +23,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.deepseek_v3 import DeepseekV3DecoderLayer
 
+from . import mapping
 from .trunk import FusedTrunkHead
 
-_FP8_BLOCK = 128
 _OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
-_DROP = ("embed_tokens.", "rotary_emb.inv_freq")
+_DROP = ("embed_tokens.", mapping.ROPE_TABLE)
 
 
 class MTPHead(FusedTrunkHead):
@@ -43,74 +43,13 @@ class MTPHead(FusedTrunkHead):
         return DeepseekV3DecoderLayer(args, layer_idx=args.num_hidden_layers)
 
 
-def is_head_key(key: str, config: dict[str, Any]) -> bool:
-    n = int(config["num_hidden_layers"])
-    if not key.startswith("model.layers."):
-        return False
-    idx = key.split(".", 3)[2]
-    return idx.isdigit() and int(idx) >= n
+is_head_key = mapping.is_appended_layer_key
 
 
 def from_hf(raw: dict[str, mx.array], config: dict[str, Any], layer: int = 0) -> dict:
     """Map raw HF tensors of MTP layer ``layer`` to ``MTPHead`` parameter names."""
-    prefix = f"model.layers.{int(config['num_hidden_layers']) + layer}."
-    w: dict[str, mx.array] = {}
-    for key, value in raw.items():
-        if not key.startswith(prefix):
-            continue
-        name = key[len(prefix) :]
-        if any(d in name for d in _DROP):
-            continue
-        w[name if name.startswith(_OWN) else f"block.{name}"] = value
-    w = dequant_fp8(w)
-    stack_experts(w, int(config.get("n_routed_experts") or 0))
-    split_kv_b(w, config)
+    w = mapping.layer_tensors(raw, mapping.appended_layer_prefix(config, layer), _OWN, drop=_DROP)
+    w = mapping.dequant_fp8(w)
+    mapping.stack_experts(w, "block.mlp", int(config.get("n_routed_experts") or 0))
+    mapping.split_kv_b(w, config)
     return w
-
-
-def dequant_fp8(w: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Undo DeepSeek's fp8 storage: e4m3 weight times a per-128x128-block inverse scale."""
-    out = {k: v for k, v in w.items() if not k.endswith("_scale_inv")}
-    for key, scale_inv in w.items():
-        if not key.endswith(".weight_scale_inv"):
-            continue
-        wk = key[: -len("_scale_inv")]
-        weight = mx.from_fp8(w[wk], dtype=mx.bfloat16)
-        rows, cols = weight.shape
-        b = _FP8_BLOCK
-        pr, pc = (-rows) % b, (-cols) % b
-        padded = mx.pad(weight, ((0, pr), (0, pc)))
-        blocks = padded.reshape((rows + pr) // b, b, (cols + pc) // b, b)
-        scaled = (blocks * scale_inv[:, None, :, None]).reshape(rows + pr, cols + pc)
-        out[wk] = scaled[:rows, :cols].astype(mx.bfloat16)
-    return out
-
-
-def stack_experts(w: dict[str, mx.array], n_experts: int) -> None:
-    """``block.mlp.experts.{e}.{proj}.*`` -> ``block.mlp.switch_mlp.{proj}.*`` [E, ...]."""
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        for kind in ("weight", "scales", "biases"):
-            first = f"block.mlp.experts.0.{proj}.{kind}"
-            if first not in w:
-                continue
-            keys = [f"block.mlp.experts.{e}.{proj}.{kind}" for e in range(n_experts)]
-            if any(k not in w for k in keys):
-                continue  # leave them: the shape check reports the missing experts
-            w[f"block.mlp.switch_mlp.{proj}.{kind}"] = mx.stack([w.pop(k) for k in keys])
-
-
-def split_kv_b(w: dict[str, mx.array], config: dict[str, Any], attention: str = "self_attn") -> None:
-    """Split MLA's ``kv_b_proj`` [H*(nope+v), kv_rank] into per-head absorb matrices
-    (``block.<attention>.embed_q`` / ``unembed_out``; Bailing names its attention ``attention``)."""
-    key = f"block.{attention}.kv_b_proj.weight"
-    if key not in w:
-        return
-    nope, vdim = int(config["qk_nope_head_dim"]), int(config["v_head_dim"])
-    heads = int(config["num_attention_heads"])
-    v = w.pop(key)
-    if v.ndim != 2 or v.shape[0] != heads * (nope + vdim):
-        w[key] = v  # wrong shape: keep it so validation names it precisely
-        return
-    v = v.reshape(heads, nope + vdim, -1)
-    w[f"block.{attention}.embed_q.weight"] = mx.contiguous(v[:, :nope, :].swapaxes(-1, -2))
-    w[f"block.{attention}.unembed_out.weight"] = mx.contiguous(v[:, nope:, :])

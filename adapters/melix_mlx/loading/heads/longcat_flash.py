@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.longcat_flash import LongcatFlashMLA, LongcatFlashMLP
 
-from . import deepseek_v3
+from . import mapping
 from .trunk import FusedTrunkHead
 
 _PREFIX = "model.mtp."
@@ -73,20 +73,11 @@ def is_head_key(key: str, config: dict[str, Any]) -> bool:
 def from_hf(raw: dict[str, mx.array], config: dict[str, Any], layer: int = 0) -> dict:
     """Map raw HF tensors of MTP layer ``layer`` to ``MTPHead`` parameter names."""
     prefix = f"{_PREFIX}layers.{layer}."
-    w: dict[str, mx.array] = {}
-    for key, value in raw.items():
-        if key == f"{_PREFIX}norm.weight":
-            w["final_layernorm.weight"] = value
-            continue
-        if not key.startswith(prefix) or "rotary_emb.inv_freq" in key:
-            continue
-        name = key[len(prefix) :]
-        for old, new in _RENAMES:
-            if name.startswith(old):
-                name = new + name[len(old) :]
-        w[name if name.startswith(_OWN + ("block.",)) else f"block.{name}"] = value
-    if not any(k != "final_layernorm.weight" for k in w):
+    w = mapping.layer_tensors(raw, prefix, (*_OWN, "block."), rename=lambda n: mapping.renamed(n, _RENAMES))
+    if not w:
         return {}  # no such layer: the loader reports it
-    w = deepseek_v3.dequant_fp8(w)
-    deepseek_v3.split_kv_b(w, config)
+    if (norm := raw.get(f"{_PREFIX}norm.weight")) is not None:
+        w["final_layernorm.weight"] = norm
+    w = mapping.dequant_fp8(w)
+    mapping.split_kv_b(w, config)
     return w

@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.mimo import TransformerBlock
 
+from . import mapping
 from .trunk import FusedTrunkHead
 
 _PREFIX = "model.mtp_layers."
@@ -39,11 +40,4 @@ def is_head_key(key: str, config: dict[str, Any]) -> bool:
 
 def from_hf(raw: dict[str, mx.array], config: dict[str, Any], layer: int = 0) -> dict:
     """Map raw HF head tensors of MTP layer ``layer`` to ``MTPHead`` parameter names."""
-    prefix = f"{_PREFIX}{layer}."
-    out: dict[str, mx.array] = {}
-    for key, value in raw.items():
-        if not key.startswith(prefix) or "rotary_emb.inv_freq" in key:
-            continue
-        name = key[len(prefix) :]
-        out[name if name.startswith(_OWN) else f"block.{name}"] = value
-    return out
+    return mapping.layer_tensors(raw, f"{_PREFIX}{layer}.", _OWN)

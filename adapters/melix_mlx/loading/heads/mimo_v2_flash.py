@@ -32,12 +32,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.mimo_v2_flash import DecoderLayer
 
-from .deepseek_v3 import dequant_fp8
+from . import mapping
 from .trunk import FusedTrunkHead
 
 _PREFIX = "model.mtp.layers."
 _OWN = ("enorm.", "hnorm.", "eh_proj.", "final_layernorm.")
-_RENAME = {"pre_mlp_layernorm.": "post_attention_layernorm."}
+_RENAME = (("pre_mlp_layernorm.", "post_attention_layernorm."),)
 
 
 class MTPHead(FusedTrunkHead):
@@ -61,13 +61,6 @@ def is_head_key(key: str, config: dict[str, Any]) -> bool:
 def from_hf(raw: dict[str, mx.array], config: dict[str, Any], layer: int = 0) -> dict:
     """Map raw HF tensors of MTP layer ``layer`` to ``MTPHead`` parameter names."""
     prefix = f"{_PREFIX}{layer}."
-    w: dict[str, mx.array] = {}
-    for key, value in raw.items():
-        if not key.startswith(prefix) or "rotary_emb.inv_freq" in key:
-            continue
-        name = key[len(prefix) :]
-        for old, new in _RENAME.items():
-            if name.startswith(old):
-                name = new + name[len(old) :]
-        w[name if name.startswith(_OWN) else f"block.{name}"] = value
-    return dequant_fp8(w)
+    return mapping.dequant_fp8(
+        mapping.layer_tensors(raw, prefix, _OWN, rename=lambda n: mapping.renamed(n, _RENAME))
+    )

@@ -37,10 +37,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.step3p5 import Step3p5DecoderLayer, ZeroCenteredRMSNorm
 
+from . import mapping
 from .trunk import FusedTrunkHead
 
 _OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
-_DROP = ("embed_tokens.", "rotary_emb.inv_freq")
+_DROP = ("embed_tokens.", mapping.ROPE_TABLE)
 # mlx-lm's sanitize names for the packed MoE form, should a config make the layer sparse
 _REMAP = (
     ("moe.gate_proj.", "mlp.switch_mlp.gate_proj."),
@@ -78,33 +79,16 @@ class MTPHead(FusedTrunkHead):
         return self.shared_head.head(normed) if self.own_lm_head else self.main_lm_head(normed)
 
 
-def _head_index(key: str, config: dict[str, Any]) -> int | None:
-    if not key.startswith("model.layers."):
-        return None
-    idx = key.split(".", 3)[2]
-    return int(idx) if idx.isdigit() and int(idx) >= int(config["num_hidden_layers"]) else None
+is_head_key = mapping.is_appended_layer_key
 
 
-def is_head_key(key: str, config: dict[str, Any]) -> bool:
-    return _head_index(key, config) is not None
+def _rename(name: str) -> str:
+    name = name.replace("transformer.", "", 1).replace("shared_head.output.", "shared_head.head.")
+    return mapping.renamed(name, _REMAP)
 
 
 def from_hf(raw: dict[str, mx.array], config: dict[str, Any], layer: int = 0) -> dict:
     """Map raw HF tensors of MTP layer ``layer`` to ``MTPHead`` names, repairing (1+w) norms."""
-    prefix = f"model.layers.{int(config['num_hidden_layers']) + layer}."
-    out: dict[str, mx.array] = {}
-    for key, value in raw.items():
-        if not key.startswith(prefix):
-            continue
-        name = key[len(prefix) :].replace("transformer.", "", 1)
-        if any(d in name for d in _DROP):
-            continue
-        name = name.replace("shared_head.output.", "shared_head.head.")
-        for old, new in _REMAP:
-            if name.startswith(old):
-                name = new + name[len(old) :]
-                break
-        if value.ndim == 1 and name.endswith("norm.weight"):
-            value = value + 1.0
-        out[name if name.startswith(_OWN) else f"block.{name}"] = value
-    return out
+    prefix = mapping.appended_layer_prefix(config, layer)
+    w = mapping.layer_tensors(raw, prefix, _OWN, drop=_DROP, rename=_rename)
+    return {k: v + 1.0 if v.ndim == 1 and k.endswith("norm.weight") else v for k, v in w.items()}
