@@ -44,6 +44,7 @@ import mlx.nn as nn
 from mlx_lm.models.nemotron_h import ModelArgs, NemotronHBlock
 
 from ..errors import HeadShapeMismatch, UnsupportedModel
+from . import mapping
 from .trunk import FusedTrunkHead
 
 _PREFIXES = ("mtp.", "language_model.mtp.", "model.language_model.mtp.")
@@ -51,6 +52,7 @@ _FIRST = ("enorm.", "hnorm.", "eh_proj.")  # on sub-layer 0 in the checkpoint
 _LAST = ("final_layernorm.",)  # on sub-layer P - 1
 _KINDS = "*E-"  # attention, MoE, MLP sub-layers; "M" (Mamba) is refused
 PUBLISHED_PATTERN = "*E"
+_EXPERTS = (("up_proj", "fc1"), ("down_proj", "fc2"))  # mlx-lm's switch_mlp names
 _LAYER = re.compile(r"^layers\.(\d+)\.mixer\.([a-z_0-9]+)")
 
 
@@ -168,19 +170,12 @@ def from_hf(raw: dict[str, mx.array], config: dict[str, Any], layer: int = 0) ->
             out[f"layers.{i}.{rest}"] = value
     for i, kind in enumerate(pattern):
         if kind == "E":
-            _stack_experts(out, f"layers.{i}.mixer", int(config.get("n_routed_experts") or 0))
+            mapping.stack_experts(
+                out, f"layers.{i}.mixer", int(config.get("n_routed_experts") or 0), _EXPERTS
+            )
     if out and weights_pattern(out) != pattern:
         raise HeadShapeMismatch(
             f"nemotron_h head tensors hold sub-layers {weights_pattern(out)!r}, the config says {pattern!r}",
             details={"tensors": weights_pattern(out), "config": pattern},
         )
     return out
-
-
-def _stack_experts(w: dict[str, mx.array], prefix: str, n_experts: int) -> None:
-    """``experts.{e}.{up,down}_proj.*`` -> ``switch_mlp.{fc1,fc2}.*`` [E, ...] (mlx-lm's names)."""
-    for proj, fc in (("up_proj", "fc1"), ("down_proj", "fc2")):
-        for kind in ("weight", "scales", "biases"):
-            keys = [f"{prefix}.experts.{e}.{proj}.{kind}" for e in range(n_experts)]
-            if keys and all(k in w for k in keys):
-                w[f"{prefix}.switch_mlp.{fc}.{kind}"] = mx.stack([w.pop(k) for k in keys])

@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.qwen3_5 import DecoderLayer
 
+from . import mapping
 from .trunk import FusedTrunkHead
 
 # Raw checkpoints may prefix the head differently depending on who saved them.
@@ -67,21 +68,18 @@ def from_hf(raw: dict[str, mx.array], config: dict[str, Any], layer: int = 0) ->
         if value.ndim == 1 and name.endswith(_ONE_PLUS_NORMS):
             value = value + 1.0
         out[name] = value
-    _stack_experts(out, "layers.0.mlp.", int(config.get("num_experts") or 0))
+    _unfuse_experts(out, "layers.0.mlp")
+    mapping.stack_experts(out, "layers.0.mlp", int(config.get("num_experts") or 0))
     return out
 
 
-def _stack_experts(w: dict[str, mx.array], mlp: str, n_experts: int) -> None:
-    """Expert tensors under ``mlp`` -> ``{mlp}switch_mlp.{proj}.*`` [E, ...], in place."""
-    fused = w.pop(f"{mlp}experts.gate_up_proj", None)
+def _unfuse_experts(w: dict[str, mx.array], mlp: str) -> None:
+    """Fused expert tensors (``experts.gate_up_proj`` [E, 2I, D], ``experts.down_proj``)
+    -> ``{mlp}.switch_mlp.{proj}.weight``, in place (per-expert ones are stacked after)."""
+    fused = w.pop(f"{mlp}.experts.gate_up_proj", None)
     if fused is not None:
         mid = fused.shape[-2] // 2
-        w[f"{mlp}switch_mlp.gate_proj.weight"] = fused[..., :mid, :]
-        w[f"{mlp}switch_mlp.up_proj.weight"] = fused[..., mid:, :]
-    if f"{mlp}experts.down_proj" in w:
-        w[f"{mlp}switch_mlp.down_proj.weight"] = w.pop(f"{mlp}experts.down_proj")
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        for kind in ("weight", "scales", "biases"):
-            keys = [f"{mlp}experts.{e}.{proj}.{kind}" for e in range(n_experts)]
-            if keys and all(k in w for k in keys):
-                w[f"{mlp}switch_mlp.{proj}.{kind}"] = mx.stack([w.pop(k) for k in keys])
+        w[f"{mlp}.switch_mlp.gate_proj.weight"] = fused[..., :mid, :]
+        w[f"{mlp}.switch_mlp.up_proj.weight"] = fused[..., mid:, :]
+    if f"{mlp}.experts.down_proj" in w:
+        w[f"{mlp}.switch_mlp.down_proj.weight"] = w.pop(f"{mlp}.experts.down_proj")
