@@ -28,16 +28,16 @@ Image = pytest.importorskip("PIL.Image")
 from melix_mlx.serve.images import VisionOptions  # noqa: E402
 from melix_mlx.serve.provider import load_served_model  # noqa: E402
 from melix_mlx.vlm import prepare, reference  # noqa: E402
-
 from serve_helpers import assert_error_shape, client, metric, post_json, raw, serving  # noqa: E402
-from vlm_helpers import TEXT_PROMPT, image, loaded_vl, png_bytes, tiny_vl  # noqa: E402
+from vlm_helpers import IMAGE_PROMPT, TEXT_PROMPT, image, loaded_vl, png_bytes, tiny_vl  # noqa: E402
 
 N = 12
-LONG = 40  # the text request that stays in flight while the image request joins
-# the server's prompt text: the tiny tokenizer has no chat template, so mlx-lm's plain chat
-# form, with the image part as the checkpoint's vision placeholder
-SERVED_IMAGE = "USER: <|vision_start|><|image_pad|><|vision_end|>" + TEXT_PROMPT + "\nASSISTANT:"
-SERVED_TEXT = "USER: " + TEXT_PROMPT + "\nASSISTANT:"
+LONG = 24  # the text request that stays in flight while the image request joins
+# The tiny tokenizer has no chat template: the server writes mlx-lm's plain chat form, here
+# with empty role prefixes (mlx-lm's role_mapping), so the prompt is the message itself, the
+# image part as the checkpoint's vision placeholder: IMAGE_PROMPT, where the image decides the
+# continuation (under "USER: ... ASSISTANT:" the tiny model answers the same for any image).
+PLAIN = {"extra_body": {"role_mapping": {"system": "", "user": "", "assistant": "", "stop": ""}}}
 
 
 def data_uri(payload: bytes, kind: str = "image/png") -> str:
@@ -65,10 +65,13 @@ def server():
 
 
 def test_an_image_request_is_mlx_vlms_greedy(server):
+    messages = image_message(data_uri(png_bytes(0)))
     reply = client(server.url).chat.completions.create(
-        model="default_model", messages=image_message(data_uri(png_bytes(0))), max_tokens=N, temperature=0
+        model="default_model", messages=messages, max_tokens=N, temperature=0, **PLAIN
     )
-    assert reply.choices[0].message.content == mlx_vlm_text(SERVED_IMAGE, [image(0)], N)
+    want = mlx_vlm_text(IMAGE_PROMPT, [image(0)], N)
+    assert reply.choices[0].message.content == want
+    assert want != mlx_vlm_text(IMAGE_PROMPT, [image(1)], N)  # the image decides the answer
     speculative = reply.usage.model_extra["speculative"]
     assert speculative["method"] == "mtp" and speculative["accepted"] > 0, speculative
     status, _, body = raw(server.url, "GET", "/v1/melix/receipt")
@@ -81,25 +84,27 @@ def test_image_and_text_requests_batch_together(server):
     openai = client(server.url)
     text_stream = openai.chat.completions.create(
         model="default_model", messages=[{"role": "user", "content": TEXT_PROMPT}], max_tokens=LONG,
-        temperature=0, stream=True,
+        temperature=0, stream=True, **PLAIN,
     )  # fmt: skip
     chunks = iter(text_stream)
     text = next(chunks).choices[0].delta.content or ""  # the text row decodes: now the image joins
     with ThreadPoolExecutor(1) as pool:
+        messages = image_message(data_uri(png_bytes(1)))
         joined = pool.submit(
-            openai.chat.completions.create, model="default_model", messages=image_message(data_uri(png_bytes(1))),
-            max_tokens=N, temperature=0,
+            openai.chat.completions.create, model="default_model", messages=messages, max_tokens=N,
+            temperature=0, **PLAIN,
         )  # fmt: skip
         text += "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         with_image = joined.result().choices[0].message.content
-    assert with_image == mlx_vlm_text(SERVED_IMAGE, [image(1)], N)
-    assert text == mlx_vlm_text(SERVED_TEXT, [], LONG)
+    assert with_image == mlx_vlm_text(IMAGE_PROMPT, [image(1)], N)
+    assert text == mlx_vlm_text(TEXT_PROMPT, [], LONG)
     assert metric(server.url, "melix_batch_rows_peak") >= 2
 
 
 def _noise_png(side: int) -> bytes:
     out = io.BytesIO()
-    Image.fromarray((np.random.default_rng(7).random((side, side, 3)) * 255).astype(np.uint8)).save(out, "PNG")
+    pixels = (np.random.default_rng(7).random((side, side, 3)) * 255).astype(np.uint8)
+    Image.fromarray(pixels).save(out, "PNG")
     return out.getvalue()
 
 
