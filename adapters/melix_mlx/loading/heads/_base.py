@@ -33,6 +33,7 @@ class MTPHeadBase(nn.Module):
     CONCAT_ORDER: ClassVar[str] = "embedding_first"
     NUM_LAYERS: ClassVar[int] = 1
     HAS_OWN_LM_HEAD: ClassVar[bool] = False  # the checkpoint may store its own output projection
+    READS_MAIN_NORM: ClassVar[bool] = False  # the head applies the main model's final norm
 
     def __init__(self, embed_tokens: nn.Module, lm_head: Callable[[mx.array], mx.array]):
         super().__init__()
@@ -43,14 +44,18 @@ class MTPHeadBase(nn.Module):
         """A head (random weights) wired to `model`'s embedding and lm_head.
 
         own_lm_head: for families whose checkpoints may store the head's own output
-        projection (HAS_OWN_LM_HEAD), use it instead of the main lm_head.
+        projection (HAS_OWN_LM_HEAD), use it instead of the main lm_head. A head that
+        READS_MAIN_NORM is given the main model's final norm as ``main_norm``.
         """
         from ...runtime.hidden import main_parts
 
         parts = main_parts(model)
+        kwargs: dict[str, Any] = {}
         if cls.HAS_OWN_LM_HEAD:
-            return cls(parts.args, parts.embed_tokens, parts.lm_head, own_lm_head=own_lm_head)
-        return cls(parts.args, parts.embed_tokens, parts.lm_head)
+            kwargs["own_lm_head"] = own_lm_head
+        if cls.READS_MAIN_NORM:
+            kwargs["main_norm"] = parts.inner.norm
+        return cls(parts.args, parts.embed_tokens, parts.lm_head, **kwargs)
 
     @classmethod
     def from_weights(

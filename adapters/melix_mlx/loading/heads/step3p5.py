@@ -59,7 +59,7 @@ class MTPHead(FusedTrunkHead):
     CONCAT_ORDER: ClassVar[str] = "embedding_first"
     HAS_OWN_LM_HEAD: ClassVar[bool] = True  # shared_head.output
     SHARED_HEAD_NORM: ClassVar[bool] = True
-    NORM: ClassVar[Callable[..., nn.Module]] = ZeroCenteredRMSNorm  # HF: w, forward 1 + w
+    NORM: ClassVar[Callable[..., nn.Module]] = ZeroCenteredRMSNorm  # stored w; from_hf adds the 1
     READS_MAIN_NORM: ClassVar[bool] = True  # w_f: the hidden arrives normed by it
 
     def _make_block(self, args: Any) -> nn.Module:

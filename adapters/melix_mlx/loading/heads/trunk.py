@@ -68,7 +68,6 @@ class FusedTrunkHead(MTPHeadBase):
     NORM: ClassVar[Callable[..., nn.Module]] = nn.RMSNorm
     EPS: ClassVar[str] = "rms_norm_eps"  # the config field of every head norm's eps
     MASK_ARRAY: ClassVar[bool] = False  # latent attention wants a boolean array (or None)
-    READS_MAIN_NORM: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -97,19 +96,6 @@ class FusedTrunkHead(MTPHeadBase):
             self.shared_head = SharedHead(d, args.vocab_size, norm, own_lm_head)
         self.window = self._window(args)
         self._main = MainNorm(main_norm)
-
-    @classmethod
-    def from_model(cls, model: nn.Module, *, own_lm_head: bool = False) -> MTPHeadBase:
-        from ...runtime.hidden import main_parts
-
-        parts = main_parts(model)
-        return cls(
-            parts.args,
-            parts.embed_tokens,
-            parts.lm_head,
-            own_lm_head=own_lm_head and cls.HAS_OWN_LM_HEAD,
-            main_norm=parts.inner.norm if cls.READS_MAIN_NORM else None,
-        )
 
     # -- what a family declares --------------------------------------------------------
     def _make_block(self, args: Any) -> nn.Module:
