@@ -30,6 +30,10 @@ Class constants: ``FAMILY``, ``CHAIN_POST_NORM`` (qwen3_5 / qwen3_5_moe / qwen3_
 mimo True, deepseek_v3 / glm4_moe / glm4_moe_lite False), ``CONCAT_ORDER`` ("hidden_first" for mimo,
 "embedding_first" for the rest), ``NUM_LAYERS`` (layers in the head's cache list: 1).
 
+Every family head is a ``trunk.FusedTrunkHead`` that declares only what differs (weight
+names as published, its block, norm and mask conventions, its output head); the steps
+the families' ``from_hf`` share live in ``mapping``.
+
 Multi-layer checkpoints load as ``stacked.StackedHead`` (one single-layer head per trained
 layer): its ``__call__`` and ``make_cache`` are layer 0's, and ``chain_step(i, hidden,
 tokens)`` runs draft step i >= 1 on layer ``min(i, N - 1)``; the engine calls
