@@ -48,6 +48,7 @@ API_KEY_ENV = "MELIX_FSM_API_KEY"
 LIMIT_FLAGS = (
     ("--max-body-bytes", "max_body_bytes", int, "largest request body (413 beyond)"),
     ("--max-prompt-tokens", "max_prompt_tokens", int, "longest prompt (default: the model's context)"),
+    ("--context-length", "context_tokens", int, "the model's context in tokens (default: its config's)"),
     ("--max-logit-bias", "max_logit_bias", int, "most logit_bias entries of a request"),
     ("--max-stop", "max_stop", int, "most stop sequences of a request"),
     ("--max-queue", "max_queue", int, "requests waiting beyond the batch's rows (429 beyond)"),

@@ -206,8 +206,10 @@ def start_generator(
     settings = mlx_settings(served, max_batch_size=max_batch_size)
     provider = MTPModelProvider(settings, served, names=names)
     metrics = ServeMetrics(served.controller, served.method)
+    prompt_cache = LRUPromptCache(settings.prompt_cache_size)
+    metrics.watch_prompt_cache(prompt_cache)
     return generator_class(
-        provider, LRUPromptCache(settings.prompt_cache_size), metrics,
+        provider, prompt_cache, metrics,
         queue_size=max_batch_size + limits.max_queue, prefill_chunk=limits.prefill_chunk_tokens,
         prefill_budget_s=limits.prefill_budget_s, **options,
     )

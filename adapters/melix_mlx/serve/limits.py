@@ -2,7 +2,9 @@
 
 Rules: every limit has a default that keeps one client from hurting the others or the
 process; `resolve` fills the ones that depend on the model (the prompt-token limit
-defaults to the model's context and is never longer than it).
+defaults to the model's context and is never longer than it; `--context-length` states
+the context where the checkpoint's config is not what the server should take, e.g. a
+latency run with a prompt longer than a tiny checkpoint was trained on).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ DEFAULT_CONTEXT = 4096  # a checkpoint that names no context length
 class ServeLimits:
     max_body_bytes: int = 1 << 20  # a request body (JSON) larger than this is a 413
     max_prompt_tokens: int | None = None  # None: the model's context
+    context_tokens: int | None = None  # the model's context; None: its config.json's
     max_tokens_limit: int = 1 << 16  # the largest max_tokens accepted
     max_logit_bias: int = 300  # logit_bias entries (OpenAI's own cap)
     max_stop: int = 16  # stop sequences
@@ -52,7 +55,7 @@ def model_context(path: Path) -> int:
 
 def resolve(limits: ServeLimits, path: Path) -> ServeLimits:
     """`limits` with the prompt-token limit set: at most the model's context."""
-    context = model_context(path)
+    context = limits.context_tokens or model_context(path)
     wanted = limits.max_prompt_tokens
     return replace(limits, max_prompt_tokens=context if wanted is None else min(wanted, context))
 
@@ -75,4 +78,6 @@ def check(limits: ServeLimits) -> list[str]:
             problems.append(f"--{name.replace('_s', '').replace('_', '-')} must be > 0")
     if limits.max_prompt_tokens is not None and limits.max_prompt_tokens < 1:
         problems.append("--max-prompt-tokens must be >= 1")
+    if limits.context_tokens is not None and limits.context_tokens < 1:
+        problems.append("--context-length must be >= 1")
     return problems

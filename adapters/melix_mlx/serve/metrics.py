@@ -12,6 +12,10 @@ Rules of this module:
   requests in flight are a gauge; the event loop writes those two.
 - Tokens/s is measured over a sliding window of recent steps (wall time between steps),
   not predicted.
+- Prefill segments (one step's prompt work, melix_mlx.serve.prompt_work) are timed by the
+  generation thread: their count, total seconds and the longest (`observe_segment`).
+- The prompt cache is read at scrape time (`watch_prompt_cache`): its entries and bytes
+  beside their configured bounds, so a soak can check that it stays bounded.
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from melix_fsm import lifecycle as lc
 from melix_fsm.lifecycle import State
 
 WINDOW_S = 5.0  # tokens/s is measured over the steps of the last WINDOW_S seconds
+SEGMENT_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -51,6 +56,24 @@ class _PolicyCollector:
             speculating.add_metric([], 1.0 if self.controller.speculating else 0.0)
         yield decisions
         yield speculating
+
+
+class _PromptCacheCollector:
+    """The prompt cache's size and bounds (mlx-lm's LRUPromptCache), read when scraped."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterator[Any]:
+        for name, text, value in (
+            ("melix_prompt_cache_entries", "Prompts held by the prompt cache", len(self.cache)),
+            ("melix_prompt_cache_max_entries", "The prompt cache's entry bound", self.cache.max_size),
+            ("melix_prompt_cache_bytes", "Bytes held by the prompt cache", self.cache.nbytes),
+            ("melix_prompt_cache_max_bytes", "The prompt cache's byte bound", self.cache.max_bytes),
+        ):
+            family = GaugeMetricFamily(name, text)
+            family.add_metric([], float(value))
+            yield family
 
 
 class ServeMetrics:
@@ -78,6 +101,12 @@ class ServeMetrics:
         )
         self.rows = Gauge("melix_batch_rows", "Rows in the batch, by lifecycle state", ["state"], registry=r)
         self.peak_rows = Gauge("melix_batch_rows_peak", "Most rows decoded together since start", registry=r)
+        self.segments = Histogram(
+            "melix_prefill_segment_seconds", "Seconds of each prefill segment (one step's prompt work)",
+            buckets=SEGMENT_BUCKETS, registry=r,
+        )
+        self.segment_max = Gauge("melix_prefill_segment_seconds_max", "The longest prefill segment",
+                                 registry=r)
         self.info = Gauge(
             "melix_speculation_method", "1 for the method this server decodes with", ["method"], registry=r
         )
@@ -121,6 +150,14 @@ class ServeMetrics:
         counted = sum(n for _, n in list(self._window)[1:])
         self.tokens_per_second.set(counted / span if span > 0 else 0.0)
         self.observe_rows(rows)
+
+    def observe_segment(self, seconds: float) -> None:
+        self.segments.observe(seconds)
+        if seconds > self.segment_max._value.get():
+            self.segment_max.set(seconds)
+
+    def watch_prompt_cache(self, cache: Any) -> None:
+        self.registry.register(_PromptCacheCollector(cache))
 
     def observe_rows(self, rows: Any) -> None:
         counts = {"speculating": 0, "suspended": 0, "plain": 0}

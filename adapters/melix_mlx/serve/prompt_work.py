@@ -6,18 +6,24 @@ Rules of this module:
   generation thread never tokenizes, and an empty or too long prompt is refused (400)
   before it takes a place in the queue. The generation thread takes the tokens as given
   (`ServedRequest.tokenized`); a sharded server's ranks receive them with the request.
-- While rows decode or other requests wait, each generator step spends at most about
-  `budget_s` of prefill on queued prompts (`PrefillBudget`): a pending segment longer
-  than what the budget allows is cut, and the rest waits for the next step, between the
-  running rows' decode steps. A prompt that prefills alone (no row runs, nothing else
-  queued) is not cut below the chunk limit: small pieces only cost it time, and a
-  request that arrives meanwhile waits for at most the one chunk in flight. What the
-  budget allows is measured, not assumed: prompt tokens per second over the latest
-  pieces (an average that follows the cost's growth with the context); before the first
-  measurement a probe piece of `PROBE` tokens is cut. A piece is never shorter than
-  `MIN_PIECE` tokens nor longer than the chunk limit (`prefill_chunk`). The last piece
-  of a prompt, prefilled when its row joins the batch, is cut to the same size at
-  insertion (melix_mlx.serve.chunks).
+- Each generator step spends at most about `budget_s` of prefill on queued prompts
+  (`PrefillBudget`), whether rows decode or not: a pending segment longer than what the
+  budget allows is cut, and the rest waits for the next step, between the running rows'
+  decode steps. A prompt that prefills alone is cut too: a request that arrives meanwhile
+  waits for at most one budget, and a piece's cost grows with the context (a 256-token
+  piece took ~2 s at 2k tokens of context on the embedded model, ~30x its cost at 0), so
+  no fixed token count is safe. What the budget allows is measured, not assumed: each
+  request's own prompt tokens per second on its latest piece (the cost follows its
+  context), a piece at most twice its latest (the cost per token is not flat in the piece's
+  size: measured on a small piece, a large one overshoots); a request not measured yet gets
+  a probe of `PROBE` tokens (so a prompt of at most that many joins at once). Pieces share
+  the budget between the requests of a step. A
+  piece is never shorter than `MIN_PIECE` tokens (progress) nor longer than the chunk
+  limit (`prefill_chunk`).
+- The last piece of a prompt (prefilled when its row joins the batch) is cut to its share
+  at each step too: a longer final piece gives its head to the segment stage
+  (`PrefillBudget.cut`), so joining costs at most one piece, whatever the rate was when
+  the request was inserted (melix_mlx.serve.chunks cuts it once, at insertion).
 """
 
 from __future__ import annotations
@@ -31,8 +37,8 @@ from mlx_lm.server import ResponseGenerator
 
 from melix_fsm.errors import MelixError
 
-PROBE = 32  # tokens of the first piece, before any measurement
-MIN_PIECE = 32  # the fewest tokens a piece prefills: progress, and a forward's overhead amortized
+PROBE = 32  # tokens of a request's first piece, before any measurement of it
+MIN_PIECE = 1  # the fewest tokens a piece prefills: progress, however long the context
 
 
 class PromptRejected(MelixError, ValueError):
@@ -73,31 +79,49 @@ class PrefillBudget:
     def __init__(self, budget_s: float | None, chunk: int) -> None:
         self.budget_s = budget_s
         self.chunk = chunk
-        self.rate: float | None = None  # prompt tokens per second, measured
+        self.rates: dict[int, tuple[float, int]] = {}  # uid -> its latest piece: tokens/s, tokens
+        self._planned: dict[int, int] = {}  # uid -> tokens of this step's piece
 
-    def piece(self) -> int:
+    def piece(self, uid: int | None = None, share: float = 1.0) -> int:
+        """The tokens a piece of request `uid` may hold within `share` of the budget."""
         if self.budget_s is None:  # no budget: fixed chunks
             return self.chunk
-        if self.rate is None:
-            return min(PROBE, self.chunk)
-        return max(MIN_PIECE, min(self.chunk, int(self.rate * self.budget_s)))
+        measured = self.rates.get(uid) if uid is not None else None
+        if measured is None:  # not measured yet: a probe (another request's rate says little of it)
+            return max(MIN_PIECE, min(PROBE, self.chunk))
+        rate, latest = measured  # a piece at most doubles: a cost per token that is not flat overshoots
+        return max(MIN_PIECE, min(self.chunk, 2 * latest, int(rate * self.budget_s * share)))
 
-    def cut(self, pending: list[Any], alone: bool = False) -> int:
-        """Cut the next segment of each pending request to its share (uncut `alone`: no
-        row runs and nothing else waits); the tokens the next segments hold."""
-        if self.budget_s is not None and pending and not alone:
-            share = max(MIN_PIECE, self.piece() // len(pending))
-            for request in pending:
-                head = request.segments[0]
-                if len(head) > share:
-                    request.segments[0:1] = [head[:share], head[share:]]
-        return sum(len(request.segments[0]) for request in pending)
+    def cut(self, queue: Any, limit: int) -> list[Any]:
+        """The requests the next segment stage prefills (at most `limit`), each next segment
+        cut to its share of the budget; a final piece longer than its share gives its head
+        to the segment stage (see the module rules)."""
+        if self.budget_s is None:
+            pending = [r for r in queue if r.segments][:limit]
+            self._planned = {r.uid: len(r.segments[0]) for r in pending}
+            return pending
+        queued = {r.uid for r in queue}
+        self.rates = {uid: rate for uid, rate in self.rates.items() if uid in queued}  # joined or gone
+        pending = [r for r in queue if r.segments or len(r.prompt) > self.piece(r.uid)][:limit]
+        for request in pending:
+            share = self.piece(request.uid, 1.0 / len(pending))
+            if not request.segments:  # the final piece: its head is prefilled now
+                request.segments.append(list(request.prompt[:share]))
+                request.prompt = request.prompt[share:]
+            head = request.segments[0]
+            if len(head) > share:
+                request.segments[0:1] = [head[:share], head[share:]]
+        self._planned = {r.uid: len(r.segments[0]) for r in pending}
+        return pending
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, seconds: float) -> None:
+        """The seconds the segment stage took for the pieces `cut` planned."""
+        planned, self._planned = self._planned, {}
+        tokens = sum(planned.values())
         if tokens <= 0 or seconds <= 0:
             return
-        rate = tokens / seconds
-        self.rate = rate if self.rate is None else 0.5 * (self.rate + rate)
+        for uid, n in planned.items():  # each piece had its share of the step's time
+            self.rates[uid] = (n * len(planned) / seconds, n)
 
 
 class Clock:

@@ -17,7 +17,10 @@ Rules of this module:
   here, where an empty or too long prompt is refused (`PromptRejected`, a 400).
 - Fair prefill (melix_mlx.serve.chunks, prompt_work): each step prefills what its time
   budget allows (`PrefillBudget`; ranks cut fixed chunks) between the decode steps;
-  only real segment boundaries are reported to mlx-lm's loop as such.
+  only real segment boundaries are reported to mlx-lm's loop as such. A step in which a
+  prompt that fits one piece joins the batch skips the segment stage (never two steps
+  running), so a short request's first token waits for its own prefill, not also for a
+  long prompt's piece; each step's prefill time goes to /metrics.
 - Cancellation in any state: a stopped context's row leaves at its next response (mlx-lm's
   loop); a stopped request still waiting in the generator's queue is removed there
   (`remove`) and given a progress response, so the loop forgets it.
@@ -139,6 +142,7 @@ class ServingBatchGenerator(MTPBatchGenerator):
         super().__init__(*args, **kwargs)
         self.prefill_chunk = prefill_chunk
         self.budget = PrefillBudget(prefill_budget_s, prefill_chunk)
+        self._yielded = False  # the previous segment stage gave its budget to joining prompts
         self._boundaries: dict[int, set[int]] = {}  # uid -> real segment ends (see chunks)
         self.method = method  # what fills the head slot: "mtp" or "draft_model"
         self.contexts = contexts  # uid -> SpeculativeContext
@@ -156,7 +160,7 @@ class ServingBatchGenerator(MTPBatchGenerator):
         first = self.next_uid
         whole = segments  # before the cut: a VL row's prompt and images (melix_mlx.serve.images)
         held = kwargs.get("all_tokens") or [[] for _ in segments]
-        last = self.budget.piece()  # the piece prefilled when the row joins: within the budget too
+        last = self.budget.piece()  # the piece prefilled when the row joins (re-cut at each step)
         cut = [split_segments(seq, len(h), self.prefill_chunk, last) for seq, h in zip(segments, held)]
         segments = [pieces if pieces else seq for (pieces, _), seq in zip(cut, segments)]
         processors = kwargs.get("logits_processors")
@@ -178,13 +182,28 @@ class ServingBatchGenerator(MTPBatchGenerator):
         return uids
 
     def _prefill_segments(self) -> list[PromptProcessingBatch.Response]:
-        """The segment stage within the step's time budget (melix_mlx.serve.prompt_work)."""
-        pending = [r for r in self._queue if r.segments][: self.prefill_batch_size]
-        tokens = self.budget.cut(pending, alone=not len(self.batch) and len(self._queue) == len(pending) == 1)
+        """The segment stage within the step's time budget (melix_mlx.serve.prompt_work); a
+        step in which a short prompt joins gives the budget to it, every other step at most."""
+        if self._joining() and not self._yielded:
+            self._yielded, self._held = True, set()
+            return []
+        self._yielded = False
+        pending = self.budget.cut(self._queue, self.prefill_batch_size)
         with Clock() as clock:
             responses = super()._prefill_segments()
-        self.budget.observe(tokens, clock.seconds)
+        self.budget.observe(clock.seconds)
+        if pending:
+            self.metrics.observe_segment(clock.seconds)
         return responses
+
+    def _joining(self) -> bool:
+        """A queued prompt joins in this step's admission, within one piece, while others wait
+        for the segment stage (a time budget only: ranks cut the same chunks every step)."""
+        if self.budget.budget_s is None or self.steps.ahead is not None:
+            return False
+        if len(self.batch) >= self.completion_batch_size or not any(r.segments for r in self._queue):
+            return False
+        return any(not r.segments and len(r.prompt) <= self.budget.piece(r.uid) for r in self._queue)
 
     def _guard(self, uid: int, processor: Any) -> Any:
         def guarded(tokens: Any, logits: Any) -> Any:
