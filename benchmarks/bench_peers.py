@@ -2,9 +2,26 @@
 interleaved in one run (greedy, held-out prompts, decode tokens/s, identity to mlx-lm).
 
 Usage:
-    python benchmarks/bench_peers.py --peer NAME=CHECKOUT [--peer ...]
+    python benchmarks/bench_peers.py --peer NAME=CHECKOUT | --peer mlx-vlm [--peer ...]
         [--model stdlib-hybrid-wide] [--batch-sizes 1 4] [--ks 2] [--rounds 3]
-        [--max-tokens 48] [--regime openblas|reference|current] [--out FILE]
+        [--max-tokens 48] [--regime openblas|reference|current] [--cells single batch]
+        [--ideal] [--profile] [--out FILE]
+
+`--peer mlx-vlm` (no checkout) is the installed mlx-vlm (`pip install 'melix-fsm[vlm]'`):
+its MTP speculative decode at each k (`mlx-vlm MTP k=K`: `generate_step` / `BatchGenerator`
+with the drafter `load_drafter(MODEL, kind="mtp")` builds from the checkpoint's head,
+block size k + 1) and its plain decode (`mlx-vlm plain`), through
+melix_mlx.tools.peers_vlm in a worker of its own. Each cell then also reports ours
+against mlx-vlm's MTP at the same k: the per-round ratio of tokens/s (median, min-max) and
+a verdict: `ahead` when every round is, `behind` when every round is behind, else `level`
+(the spread of the rounds covers 1).
+`--ideal` calibrates this project's forward times in the same run (after the rounds, at
+the cells' context) and reports each speculative contender's ideal bound: B (1 + a) /
+(t_verify + k t_head) tokens/s with a its own accepted drafts per row and round, and the
+measured share of it. `--profile` puts, per k, the single-sequence cycle of both side by
+side (ms per cycle): ours from the engine's cycle clock beside the calibrated verify and
+head times; mlx-vlm's from peers_vlm.profile_cycles (each part evaluated before its clock
+stops).
 
 Each CHECKOUT is a peer's source tree that the user fetched (its `mlx_lm` package at the
 top); this repository never vendors peer code. For example, the AirRunner mlx-lm fork:
@@ -127,12 +144,45 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+VLM = "mlx-vlm"  # the installed mlx-vlm as a peer (`--peer mlx-vlm`)
+
+
 def _contenders(ks: list[int], peers: list[str]) -> list[tuple[str, str, str, int]]:
     """(label, worker, method, k): mlx-lm first (the reference), then ours, then peers."""
     out = [("mlx-lm", "melix", "mlx_lm", 0)]
     out += [(f"melix-fsm k={k}", "melix", "melix", k) for k in ks]
-    out += [(name, name, "peer", 0) for name in peers]
+    for name in peers:
+        if name == VLM:
+            out += [(f"mlx-vlm MTP k={k}", VLM, "vlm_mtp", k) for k in ks]
+            out.append(("mlx-vlm plain", VLM, "vlm_plain", 0))
+        else:
+            out.append((name, name, "peer", 0))
     return out
+
+
+def _head_to_head(runs: list[dict[str, Any]], ks: list[int]) -> dict[str, Any]:
+    """Ours over mlx-vlm's MTP at each k, per round of one cell: median, min-max, verdict."""
+    out: dict[str, Any] = {}
+    for k in ks:
+        ours = {r["round"]: r["tps"] for r in runs if r["label"] == f"melix-fsm k={k}" and "tps" in r}
+        theirs = {r["round"]: r["tps"] for r in runs if r["label"] == f"mlx-vlm MTP k={k}" and "tps" in r}
+        ratios = [ours[n] / theirs[n] for n in ours if n in theirs and theirs[n] > 0]
+        if not ratios:
+            continue
+        lo, hi = min(ratios), max(ratios)
+        verdict = "ahead" if lo > 1 else "behind" if hi < 1 else "level"
+        out[str(k)] = {"median": statistics.median(ratios), "min": lo, "max": hi, "verdict": verdict}
+    return out
+
+
+def _ideal(summary: dict[str, Any], k: int, size: int, timings: dict[str, Any]) -> None:
+    """The contender's ideal bound from this run's calibration and its own acceptance."""
+    t = timings.get(str(k), {}).get(str(size))
+    if not t or "accepted_mean" not in summary:
+        return
+    ideal = size * (1 + summary["accepted_mean"]) / ((t["t_verify"] + k * t["t_head"]) / 1e3)
+    summary["ideal_tokens_per_s"] = ideal
+    summary["of_ideal"] = summary["tokens_per_s"] / ideal
 
 
 def _summary(runs: list[dict[str, Any]], label: str) -> dict[str, Any]:
@@ -147,6 +197,9 @@ def _summary(runs: list[dict[str, Any]], label: str) -> dict[str, Any]:
     if ratios:
         out["ratio"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
     out["identical"] = sum(1 for r in ok if r["identical"])
+    accepted = [r["accepted_mean"] for r in ok if "accepted_mean" in r]
+    if accepted:
+        out["accepted_mean"] = statistics.median(accepted)
     differences = {r["first_difference"] for r in ok if r["first_difference"] is not None}
     out["first_differences"] = sorted(differences)
     return out
@@ -164,13 +217,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     peers: dict[str, dict[str, Any]] = {}
     for spec in args.peer:
         name, _, checkout = spec.partition("=")
+        if name == VLM and not checkout:  # the installed mlx-vlm, through our glue
+            from importlib.metadata import version
+
+            workers[name] = Worker(name, VLM, model, sys.executable, ours_path)
+            peers[name] = {"installed": f"mlx-vlm {version('mlx-vlm')}"}
+            continue
         workers[name] = Worker(name, "peer", model, args.peer_python or sys.executable, [checkout])
         peers[name] = {"checkout": checkout, "commit": _commit(Path(checkout))}
     prompts = workers["melix"].ask({"method": "encode", "texts": texts})["ids"]
     contenders = _contenders(args.ks, list(peers))
-    cells = ["single"] + [f"batch {b}" for b in args.batch_sizes]
+    cells = (["single"] if "single" in args.cells else []) + (
+        [f"batch {b}" for b in args.batch_sizes] if "batch" in args.cells else []
+    )
     runs: list[dict[str, Any]] = []
     started = time.perf_counter()
+    for cell in cells:  # warm-up, not recorded: first calls build kernels and caches
+        size = 1 if cell == "single" else int(cell.split()[1])
+        for _, worker, method, k in contenders:
+            req = {"method": method, "prompts": prompts[:1] * size, "max_tokens": 8, "k": k}
+            workers[worker].ask(dict(req, batch=cell != "single"))
     for rnd in range(args.rounds):
         for cell in cells:
             size = 1 if cell == "single" else int(cell.split()[1])
@@ -193,6 +259,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     ref_tps = reference["decode_tokens"] / max(reference["decode_s"], 1e-9)
                     diffs = [_first_difference(a, b) for a, b in zip(answer["tokens"], reference["tokens"])]
                     record.update(tps=tps, ratio=tps / ref_tps if ref_tps else None)
+                    if "accepted_mean" in answer:
+                        record.update(cycles=answer["cycles"], accepted_mean=answer["accepted_mean"])
                     record["identical"] = all(d is None for d in diffs)
                     record["first_difference"] = next((d for d in diffs if d is not None), None)
                 runs.append(record)
@@ -201,14 +269,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 file=sys.stderr,
                 flush=True,
             )
+    timings: dict[str, Any] = {}
+    if args.ideal:  # after the rounds: the same process, warm, at the cells' context
+        sizes = sorted({1, *args.batch_sizes})
+        context = max(len(p) for p in prompts) + args.max_tokens // 2
+        req = {"method": "calibrate", "ks": args.ks, "batch_sizes": sizes, "context": context}
+        timings = workers["melix"].ask(req)
+    profiles: dict[str, Any] = {}
+    if args.profile and VLM in workers:
+        for k in args.ks:
+            for rnd, prompt in enumerate(prompts):
+                order = ["melix", VLM] if rnd % 2 == 0 else [VLM, "melix"]
+                for name in order:
+                    req = {"method": "profile", "prompts": [prompt], "max_tokens": args.max_tokens, "k": k}
+                    profiles.setdefault(f"{name} k={k}", []).append(workers[name].ask(req))
+        profiles = {label: _profile_summary(answers) for label, answers in profiles.items()}
     for worker in workers.values():
         worker.close()
-    table = {
-        cell: {label: _summary([r for r in runs if r["cell"] == cell], label) for label, *_ in contenders}
-        for cell in cells
-    }
+    table = {}
+    for cell in cells:
+        size = 1 if cell == "single" else int(cell.split()[1])
+        row = {}
+        for label, _, _, k in contenders:
+            row[label] = _summary([r for r in runs if r["cell"] == cell], label)
+            if k and "tokens_per_s" in row[label]:
+                _ideal(row[label], k, size, timings)
+        table[cell] = row
     size_gb = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) / 1e9
     return {
+        "command": " ".join(["python", *sys.argv]),
+        "timings_ms": timings,
+        "profiles": profiles,
+        "head_to_head": {
+            cell: _head_to_head([r for r in runs if r["cell"] == cell], args.ks) for cell in cells
+        },
         "model": str(args.model),
         "model_gb": round(size_gb, 2),
         "regime": regime(),
@@ -222,19 +316,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _profile_summary(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median ms per cycle over the prompts' runs, part by part."""
+    ok = [a for a in answers if "error" not in a]
+    if not ok:
+        return {"errors": sorted({a["error"] for a in answers})}
+    parts = ok[0]["ms_per_cycle"]
+    return {
+        "runs": len(ok),
+        "accepted_mean": statistics.median(a["accepted_mean"] for a in ok),
+        "ms_per_cycle": {p: statistics.median(a["ms_per_cycle"][p] for a in ok) for p in parts},
+    }
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"{result['model']} ({result['model_gb']} GB), {result['regime']}, greedy, "
         f"{result['max_tokens']} tokens, {result['rounds']} rounds",
         "",
-        "| cell | contender | tokens/s | x mlx-lm (min-max) | identical to mlx-lm | note |",
-        "|---|---|---|---|---|---|",
+        "| cell | contender | tokens/s | x mlx-lm (min-max) | identical to mlx-lm | accepted/round "
+        "| of ideal | note |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for cell, row in result["cells"].items():
         for label, s in row.items():
             if "tokens_per_s" not in s:
-                lines.append(f"| {cell} | {label} | - | - | - | {'; '.join(s['errors'])[:120]} |")
+                lines.append(f"| {cell} | {label} | - | - | - | - | - | {'; '.join(s['errors'])[:120]} |")
                 continue
+            accepted = f"{s['accepted_mean']:.2f}" if "accepted_mean" in s else "-"
+            ideal = f"{s['of_ideal']:.2f} of {s['ideal_tokens_per_s']:.1f}" if "of_ideal" in s else "-"
             r = s.get("ratio", {})
             spread = f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})" if r else "-"
             note = "; ".join(s["errors"])[:80]
@@ -242,8 +352,23 @@ def markdown(result: dict[str, Any]) -> str:
                 note = (note + " " if note else "") + f"first differs at {s['first_differences']}"
             lines.append(
                 f"| {cell} | {label} | {s['tokens_per_s']:.2f} | {spread} | "
-                f"{s['identical']}/{s['runs']} | {note} |"
+                f"{s['identical']}/{s['runs']} | {accepted} | {ideal} | {note} |"
             )
+    versus = [(c, k, v) for c, ks in result.get("head_to_head", {}).items() for k, v in ks.items()]
+    if versus:
+        lines += [
+            "",
+            "| cell | k | ours / mlx-vlm MTP (min-max over rounds) | verdict |",
+            "|---|---|---|---|",
+        ]
+        for cell, k, v in versus:
+            lines.append(
+                f"| {cell} | {k} | {v['median']:.2f} ({v['min']:.2f}-{v['max']:.2f}) | {v['verdict']} |"
+            )
+    for label, prof in result.get("profiles", {}).items():
+        if "ms_per_cycle" in prof:
+            parts = ", ".join(f"{p} {v:.2f}" for p, v in prof["ms_per_cycle"].items())
+            lines.append(f"\nprofile {label} (accepted/round {prof['accepted_mean']:.2f}): {parts} ms/cycle")
     return "\n".join(lines)
 
 
@@ -257,6 +382,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--prompt-chars", type=int, default=400, help="cut prompts to N characters (0: whole)")
+    p.add_argument("--cells", nargs="+", choices=["single", "batch"], default=["single", "batch"])
+    p.add_argument("--ideal", action="store_true", help="calibrate after the rounds: each contender's ideal")
+    p.add_argument("--profile", action="store_true", help="with --peer mlx-vlm: both cycles, part by part")
     p.add_argument("--regime", choices=["openblas", "reference", "current"], default="openblas")
     p.add_argument("--out", type=Path, default=None, help="JSON results (default: stdout table only)")
     args = p.parse_args()

@@ -6,14 +6,23 @@ decodes on request (JSON lines on stdin, one JSON line per answer on stdout).
 ROLE `melix`: this project's decoders and mlx-lm's own paths, from the installed mlx-lm.
 ROLE `peer`: a peer's MTP decoding through the `mlx_lm` found first on PYTHONPATH (the
 coordinator puts the peer's checkout there; nothing of the peer is imported by this repo).
+ROLE `mlx-vlm`: the installed mlx-vlm's own MTP and plain decoding
+(melix_mlx.tools.peers_vlm: its `generate_step` and `BatchGenerator`, the drafter from the
+checkpoint's embedded head).
 
 A request: {"method": M, "prompts": [[ids], ...], "max_tokens": N, "k": K, "batch": b}. M is one of
 `mlx_lm` (stream_generate / BatchGenerator), `melix` (mtp_stream_generate /
-MTPBatchGenerator at depth K, speculation always on) for ROLE melix, and `peer`
-(`stream_generate(..., mtp=True)` / `BatchGenerator(..., mtp=True)`) for ROLE peer. One
-prompt is a single-sequence run; several are one batch, all inserted at once.
+MTPBatchGenerator at depth K, speculation always on) for ROLE melix, `peer`
+(`stream_generate(..., mtp=True)` / `BatchGenerator(..., mtp=True)`) for ROLE peer, and
+`vlm_mtp` (depth K) / `vlm_plain` for ROLE mlx-vlm. One prompt is a single-sequence run;
+several are one batch, all inserted at once.
+Other requests: `calibrate` (ROLE melix: this project's calibrated forward times per k
+and batch size at the given context, for the ideal bound) and `profile` (ROLE melix:
+the engine's cycle clock over one MTP run; ROLE mlx-vlm: peers_vlm.profile_cycles).
 
-An answer: {"tokens": [[ids], ...], "decode_s": s, "decode_tokens": n}: the decode window
+An answer: {"tokens": [[ids], ...], "decode_s": s, "decode_tokens": n} (speculative methods
+of melix and mlx-vlm add "cycles", rounds, and "accepted_mean", accepted drafts per row and
+round): the decode window
 runs from the moment every row has its first token to the last token, and counts the
 tokens after each row's first, so prefill, which every method does alike, is left out.
 Greedy only: identity is a property of greedy decoding.
@@ -29,6 +38,11 @@ from typing import Any
 
 
 def _load(role: str, model_dir: str) -> tuple[Any, Any, Any]:
+    if role == "mlx-vlm":
+        from melix_mlx.tools.peers_vlm import load_peer
+
+        peer = load_peer(model_dir)
+        return peer, peer.tokenizer, None
     if role == "melix":
         from melix_mlx.loading import load_with_heads
 
@@ -42,11 +56,13 @@ def _load(role: str, model_dir: str) -> tuple[Any, Any, Any]:
     return model, tokenizer, None
 
 
-def _single(responses: Iterable[Any]) -> tuple[list[int], float, int]:
+def _single(responses: Iterable[Any], last: list[Any] | None = None) -> tuple[list[int], float, int]:
     tokens: list[int] = []
     first = None
     for response in responses:
         tokens.append(int(response.token))
+        if last is not None:
+            last[:] = [response]
         if first is None:
             first = time.perf_counter()
     end = time.perf_counter()
@@ -84,6 +100,13 @@ def _run(role: str, model: Any, tokenizer: Any, head: Any, request: dict[str, An
 
     method, prompts = request["method"], request["prompts"]
     max_tokens, k = int(request["max_tokens"]), int(request.get("k", 2))
+    if role == "mlx-vlm" or method.startswith("vlm_"):
+        if role != "mlx-vlm" or method not in ("vlm_mtp", "vlm_plain"):
+            raise ValueError(f"method {method} needs the mlx-vlm role (vlm_mtp or vlm_plain)")
+        from melix_mlx.tools.peers_vlm import decode
+
+        depth = k if method == "vlm_mtp" else None
+        return decode(model, prompts, max_tokens, depth, bool(request.get("batch"))).answer()
     slots = {"completion_batch_size": len(prompts), "prefill_batch_size": len(prompts)}
     if method == "peer" and role != "peer" or method == "melix" and role != "melix":
         raise ValueError(f"method {method} needs the {method} role")
@@ -101,8 +124,10 @@ def _run(role: str, model: Any, tokenizer: Any, head: Any, request: dict[str, An
             out = mtp_stream_generate(
                 model, tokenizer, prompt, head, max_tokens=max_tokens, num_draft_tokens=k, sampler=_greedy()
             )
-        tokens, seconds, counted = _single(out)
+        last: list[Any] = []
+        tokens, seconds, counted = _single(out, last)
         rows = [tokens]
+        stats = _stats(last[0].stats) if method == "melix" and last else None
     else:
         if method == "mlx_lm":
             gen = BatchGenerator(model, max_tokens=max_tokens, sampler=_greedy(), **slots)
@@ -115,8 +140,75 @@ def _run(role: str, model: Any, tokenizer: Any, head: Any, request: dict[str, An
                 model, head, num_draft_tokens=k, max_tokens=max_tokens, sampler=_greedy(), **slots
             )
         rows, seconds, counted = _batch(gen, prompts, max_tokens)
+        stats = _stats(gen.speculative_stats()) if method == "melix" else None
         gen.close()
-    return {"tokens": rows, "decode_s": seconds, "decode_tokens": counted}
+    return {"tokens": rows, "decode_s": seconds, "decode_tokens": counted, **(stats or {})}
+
+
+def _stats(stats: Any) -> dict[str, Any]:
+    """Rounds (verify forwards) and accepted drafts per row and round, from our counters."""
+    read = stats.get if isinstance(stats, dict) else lambda key: getattr(stats, key)
+    row_cycles = read("cycles")
+    return {"cycles": read("target_forwards"), "accepted_mean": read("accepted") / max(row_cycles, 1)}
+
+
+CALIBRATION_TRIES = 4
+
+
+def _calibrate(model: Any, head: Any, request: dict[str, Any]) -> dict[str, Any]:
+    """Calibrated forward times (ms) per k and batch size at `context` tokens (the ideal)."""
+    from melix_mlx.runtime.calibrate import calibrate
+
+    from melix_fsm.policy.calibration import DEFAULT_BUDGET_S
+    from melix_fsm.policy.cost_model import TimingTable
+
+    sizes = [int(b) for b in request["batch_sizes"]]
+    out: dict[str, Any] = {}
+    for k in request["ks"]:
+        for _ in range(CALIBRATION_TRIES):  # a shared machine poisons some measurements
+            table = calibrate(
+                model, head, batch_sizes=sizes, k=int(k), runs=9, context=int(request["context"]),
+                budget_s=DEFAULT_BUDGET_S * len(sizes),
+            )  # fmt: skip
+            if isinstance(table, TimingTable):
+                break
+        if not isinstance(table, TimingTable):
+            out[str(k)] = {"error": str(table)}
+            continue
+        out[str(k)] = {
+            str(b): {name: getattr(table.at(b)[0], name) * 1e3 for name in ("t_1", "t_verify", "t_head")}
+            for b in sizes
+        }
+    return out
+
+
+def _profile(role: str, model: Any, tokenizer: Any, head: Any, request: dict[str, Any]) -> dict[str, Any]:
+    """Where one single-sequence MTP run's cycles go (ms per cycle)."""
+    prompt, max_tokens, k = request["prompts"][0], int(request["max_tokens"]), int(request["k"])
+    if role == "mlx-vlm":
+        from melix_mlx.tools.peers_vlm import profile_cycles
+
+        return profile_cycles(model, prompt, max_tokens, k)
+    from melix_mlx.generate import mtp_stream_generate
+    from melix_mlx.runtime.cycle_clock import CycleClock
+
+    clock = CycleClock()
+    last: list[Any] = []
+    out = mtp_stream_generate(
+        model,
+        tokenizer,
+        prompt,
+        head,
+        max_tokens=max_tokens,
+        num_draft_tokens=k,
+        sampler=_greedy(),
+        clock=clock,
+    )
+    _, seconds, _ = _single(out, last)
+    stats = _stats(last[0].stats)
+    parts = {name: value * 1e3 for name, value in clock.per_cycle().items()}
+    cycle = seconds / max(stats["cycles"], 1) * 1e3
+    return {"k": k, **stats, "ms_per_cycle": {**parts, "cycle": cycle}}
 
 
 def main() -> None:
@@ -125,8 +217,17 @@ def main() -> None:
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
-        if request.get("method") == "encode":
+        method = request.get("method")
+        if method == "encode":
             answer: dict[str, Any] = {"ids": [tokenizer.encode(t) for t in request["texts"]]}
+        elif method in ("calibrate", "profile"):
+            try:
+                if method == "calibrate":
+                    answer = _calibrate(model, head, request)
+                else:
+                    answer = _profile(role, model, tokenizer, head, request)
+            except Exception as exc:  # reported as that request's error
+                answer = {"error": f"{type(exc).__name__}: {exc}"}
         else:
             try:
                 answer = _run(role, model, tokenizer, head, request)
