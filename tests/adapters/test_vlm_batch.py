@@ -4,10 +4,13 @@ One continuous batch: an image row and a text row start together, a second image
 joins late, the text row is removed half-way. Every row's greedy tokens equal mlx-vlm's
 own greedy ``generate_step`` for that row alone, token for token, at k = 1 and 2, with
 drafts accepted and rejected (the rows' rope deltas, -2 for an image row, carried across
-every step and reshape). Skipped when mlx-vlm is not installed.
+every step and reshape). The CLI (`melix-fsm generate --vision`) decodes the same rows.
+Skipped when mlx-vlm is not installed.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -15,7 +18,7 @@ pytest.importorskip("mlx_vlm")
 pytest.importorskip("PIL.Image")
 
 from melix_mlx.vlm import VLMBatchGenerator, prepare, reference  # noqa: E402
-from vlm_helpers import IMAGE_PROMPT, TEXT_PROMPT, image, loaded_vl  # noqa: E402  (tests/adapters on sys.path)
+from vlm_helpers import IMAGE_PROMPT, TEXT_PROMPT, image, loaded_vl, tiny_vl  # noqa: E402  (tests/adapters on sys.path)
 
 N = 12
 
@@ -59,3 +62,22 @@ def test_image_and_text_rows_in_one_batch_are_mlx_vlms_greedy(rows, k):
     accepted = sum(s.accepted for s in stats.values())
     rejected = sum(s.rejected for s in stats.values())
     assert accepted > 0 and rejected > 0, stats
+
+
+def test_cli_decodes_image_and_text_rows_together(rows, tmp_path, capsys):
+    """`melix-fsm generate --vision` with a JSON prompts file: an image row and a text row in
+    one batch, each mlx-vlm's greedy tokens (the tiny tokenizer's EOS never comes first)."""
+    from melix_fsm.cli import main
+
+    image(0).save(tmp_path / "a.png")
+    table = [{"prompt": "def main(): w", "images": [str(tmp_path / "a.png")]}, TEXT_PROMPT]
+    (tmp_path / "rows.json").write_text(json.dumps(table))
+    argv = ["generate", "--model", str(tiny_vl()), "--vision", "--prompts-file", str(tmp_path / "rows.json")]
+    assert main([*argv, "--max-tokens", str(N), "--json", "--device-policy", "force_on"]) == 0
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    _, want = rows
+    assert [r["tokens"] for r in out] == want[:2]
+    assert out[0]["vision_tower"].startswith("qwen3_5") and out[0]["method"] == "mtp"
+    assert out[0]["stats"]["accepted"] > 0
+    bad = ["generate", "--model", str(tiny_vl()), "--prompt", "x", "--image", str(tmp_path / "rows.json")]
+    assert main(bad) == 2  # not an image: a usage error

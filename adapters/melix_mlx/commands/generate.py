@@ -29,6 +29,8 @@ Rules of this module:
   $XDG_CACHE_HOME/melix-fsm, else ~/.cache/melix-fsm) and used; stderr says so and the
   JSON's `model_source` is "fallback_random_tiny".
 - Decoding: melix_mlx.commands.generate_decode (one prompt streamed, several batched).
+  With `--vision` or `--image FILE`, a vision-language checkpoint decodes through the
+  mlx-vlm adapter instead (melix_mlx.vlm.cli: the same options and outputs, images per row).
   The JSON's "receipt" and "stats" are the library's typed records' own plain data
   (melix_fsm.receipt.Receipt.to_dict, melix_fsm.stats.GenerationStats.to_dict).
 - The device policy's calibration is reused from the calibration cache when this model
@@ -99,6 +101,15 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--sharding", choices=["tensor", "pipeline"], default=None,
         help="under mlx.launch: shard the model over the ranks with mlx-lm's own sharding",
+    )  # fmt: skip
+    parser.add_argument(
+        "--vision", action="store_true",
+        help="a vision-language checkpoint through mlx-vlm (docs/vlm.md); a JSON prompts file may then "
+        "hold {\"prompt\", \"images\"} objects",
+    )  # fmt: skip
+    parser.add_argument(
+        "--image", action="append", default=None, metavar="FILE",
+        help="an image for the prompt (repeatable; implies --vision)",
     )  # fmt: skip
     parser.set_defaults(run=run)
 
@@ -175,6 +186,8 @@ def _checked(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.vision or args.image:  # prompts with images: the mlx-vlm adapter (melix_mlx.vlm.cli)
+        return _run_vision(args)
     if args.sharding is not None and not getattr(args, "_on_ranks", False):
         from melix_mlx.runtime.distributed import run_ranks  # rank 0 prints; failures end every rank
 
@@ -233,6 +246,17 @@ def run(args: argparse.Namespace) -> int:
         "head_load_error": boot.load_error,
     }
     return _decode_and_print(args, boot, prompts, kv, machine, batched, common)
+
+
+def _run_vision(args: argparse.Namespace) -> int:
+    from melix_fsm.errors import ConfigError
+    from melix_mlx.vlm.cli import run as run_vision
+
+    try:
+        config = _speculative_config(args)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    return run_vision(args, config, *_model_dir(args))
 
 
 def _speculative_config(args: argparse.Namespace) -> Any:

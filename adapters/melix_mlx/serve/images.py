@@ -93,7 +93,7 @@ def start_vision(path: Any, config: Any, context: Any, options: VisionOptions, *
     from ..decoding.startup import StartFailed, start
 
     try:
-        from ..vlm import load_vlm
+        from ..vlm import load_vlm, placeholder
     except ImportError as exc:
         raise StartFailed(f"--vision needs mlx-vlm (pip install 'melix-fsm[vlm]'): {exc}") from exc
     machine = SequenceMachine(0)
@@ -118,20 +118,13 @@ def start_vision(path: Any, config: Any, context: Any, options: VisionOptions, *
     vision = VisionServing(
         processor=processor,
         tower=info.vision_tower,
-        placeholder=_placeholder(tokenizer, raw),
+        placeholder=placeholder(tokenizer, raw),
         image_tokens=frozenset(
             t for t in (raw.get("image_token_id"), raw.get("video_token_id")) if t is not None
         ),
         options=options,
     )
     return boot, vision
-
-
-def _placeholder(tokenizer: Any, config: dict[str, Any]) -> str:
-    ids = [config.get(k) for k in ("vision_start_token_id", "image_token_id", "vision_end_token_id")]
-    if any(i is None for i in ids):
-        raise ValueError("the checkpoint's config names no vision start / image / vision end tokens")
-    return "".join(tokenizer.convert_ids_to_tokens(ids))
 
 
 # -- the HTTP side ---------------------------------------------------------------------

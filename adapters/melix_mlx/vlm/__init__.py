@@ -13,7 +13,7 @@ Rules:
 from __future__ import annotations
 
 from .batch import VLMBatchGenerator
-from .generate import generate, prepare, prompt_of, reference
+from .generate import generate, placeholder, prepare, prompt_of, reference
 from .load import VLMInfo, load_vlm
 from .text import Prompt, VLMText
 
@@ -24,6 +24,7 @@ __all__ = [
     "VLMText",
     "generate",
     "load_vlm",
+    "placeholder",
     "prepare",
     "prompt_of",
     "reference",

@@ -32,6 +32,15 @@ def prepare(model: VLMText, processor: Any, prompt: str, images: list[Any] | Non
     return inputs
 
 
+def placeholder(tokenizer: Any, config: dict[str, Any]) -> str:
+    """The text one image takes in a prompt (vision start, image pad, vision end), from the
+    checkpoint's config; the processor expands the pad to the image's tokens."""
+    ids = [config.get(k) for k in ("vision_start_token_id", "image_token_id", "vision_end_token_id")]
+    if any(i is None for i in ids):
+        raise ValueError("the checkpoint's config names no vision start / image / vision end tokens")
+    return "".join(tokenizer.convert_ids_to_tokens(ids))
+
+
 def _vision_kw(inputs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in inputs.items() if k in ("image_grid_thw", "video_grid_thw")}
 
