@@ -237,3 +237,25 @@ def test_prompts_are_tokenized_off_the_generation_thread(served: Any) -> None:
         hello = [{"role": "user", "content": "Hi"}]
         c.chat.completions.create(model="stdlib-tiny", messages=hello, max_tokens=2)
     assert len(threads) >= 2 and all(name.startswith("melix-tokenize") for name in threads), threads
+
+
+def test_the_budget_follows_each_request_and_cuts_final_pieces() -> None:
+    """PrefillBudget alone: an unmeasured request gets a probe; a measured one its own rate
+    (not another's), a piece at most twice its latest; a final piece longer than its share
+    gives its head to the segment stage, a short one joins uncut."""
+    from types import SimpleNamespace
+
+    from melix_mlx.serve.prompt_work import PROBE, PrefillBudget
+
+    budget = PrefillBudget(0.25, 256)
+    long = SimpleNamespace(uid=1, segments=[], prompt=list(range(1000)))
+    short = SimpleNamespace(uid=2, segments=[], prompt=list(range(10)))
+    assert budget.cut([long, short], 8) == [long]  # the short prompt joins whole
+    assert long.segments == [list(range(PROBE))] and len(long.prompt) == 1000 - PROBE
+    budget.observe(0.01)  # 3,200 tokens/s: the next piece at most doubles
+    assert budget.piece(1) == 2 * PROBE and budget.piece(2) == PROBE
+    long.segments.clear()
+    budget.cut([long], 8)
+    budget.observe(2.0)  # 32 tokens/s (a long context): 8 tokens fit 0.25 s
+    assert budget.piece(1) == 8 and budget.piece(99) == PROBE
+    assert budget.cut([short], 8) == [] and 1 not in budget.rates  # gone from the queue: forgotten
