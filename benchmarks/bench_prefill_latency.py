@@ -125,14 +125,16 @@ def metrics(port: int) -> dict[str, float]:
 
 def segment_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
     """The prefill segments timed between two scrapes (the server's histogram)."""
-    prefix = "melix_prefill_segment_seconds_bucket{le=\""
+    prefix = 'melix_prefill_segment_seconds_bucket{le="'
     buckets = sorted(
-        (float(k[len(prefix):-2]), after[k] - before.get(k, 0.0)) for k in after if k.startswith(prefix)
+        (float(k[len(prefix) : -2]), after[k] - before.get(k, 0.0)) for k in after if k.startswith(prefix)
     )
     count = after.get("melix_prefill_segment_seconds_count", 0.0) - before.get(
-        "melix_prefill_segment_seconds_count", 0.0)
+        "melix_prefill_segment_seconds_count", 0.0
+    )
     total = after.get("melix_prefill_segment_seconds_sum", 0.0) - before.get(
-        "melix_prefill_segment_seconds_sum", 0.0)
+        "melix_prefill_segment_seconds_sum", 0.0
+    )
 
     def bucket(q: float) -> float | None:  # the upper edge of the bucket holding quantile q
         for edge, cumulative in buckets:
@@ -170,10 +172,22 @@ def long_prompt(checkpoint: Path, tokens: int) -> tuple[str, int]:
 def serve(args: argparse.Namespace, port: int, log: Path) -> subprocess.Popen:
     exe = shutil.which("melix-fsm") or str(Path(sys.executable).parent / "melix-fsm")
     command = [
-        exe, "serve", "--port", str(port), "--max-batch-size", str(args.clients + 2),
-        "--context-length", str(args.long_tokens + 4096), "--max-prompt-tokens", str(args.long_tokens + 2048),
-        "--max-body-bytes", str(8 << 20), "--request-timeout", "3600",
-        "--prefill-budget", str(args.prefill_budget),
+        exe,
+        "serve",
+        "--port",
+        str(port),
+        "--max-batch-size",
+        str(args.clients + 2),
+        "--context-length",
+        str(args.long_tokens + 4096),
+        "--max-prompt-tokens",
+        str(args.long_tokens + 2048),
+        "--max-body-bytes",
+        str(8 << 20),
+        "--request-timeout",
+        "3600",
+        "--prefill-budget",
+        str(args.prefill_budget),
     ]
     if args.model:
         command += ["--model", args.model]
@@ -199,8 +213,10 @@ def serve(args: argparse.Namespace, port: int, log: Path) -> subprocess.Popen:
 def measure(args: argparse.Namespace, port: int, checkpoint: Path) -> dict[str, Any]:
     text, counted = long_prompt(checkpoint, args.long_tokens)
     stream(port, "/v1/completions", short_body("warm-up", args.short_tokens))
-    idle = [stream(port, "/v1/completions", short_body(f"idle {i}", args.short_tokens))
-            for i in range(args.idle_repeats)]
+    idle = [
+        stream(port, "/v1/completions", short_body(f"idle {i}", args.short_tokens))
+        for i in range(args.idle_repeats)
+    ]
     idle_ttft = [scored(r)[0] for r in idle if scored(r)[0] is not None]
     idle_gaps = [g for r in idle for g in scored(r)[1]]
     before = metrics(port)
@@ -208,8 +224,13 @@ def measure(args: argparse.Namespace, port: int, checkpoint: Path) -> dict[str, 
     holder: dict[str, Any] = {}
 
     def long_client() -> None:
-        body = {"messages": [{"role": "user", "content": text}], "max_tokens": 4, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": 4,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         try:
             long_run.update(stream(port, "/v1/chat/completions", body, holder=holder))
         except OSError as exc:  # cut at the window's end
@@ -272,8 +293,9 @@ def measure(args: argparse.Namespace, port: int, checkpoint: Path) -> dict[str, 
         "long_prefill_s": None if window_cut else round(first - long_run["began"], 2),
         "window_s": round(first - long_run["began"], 2),
         "window_cut_the_long_prompt": window_cut,
-        "prompt_tokens_prefilled_in_window": int(after.get("melix_prompt_tokens_total", 0.0)
-                                                 - before.get("melix_prompt_tokens_total", 0.0)),
+        "prompt_tokens_prefilled_in_window_all_requests": int(
+            after.get("melix_prompt_tokens_total", 0.0) - before.get("melix_prompt_tokens_total", 0.0)
+        ),
         "long_prefill_seen_after_s": round(prefill_seen - long_run["began"], 3),
         "short_tokens": args.short_tokens,
         "clients": args.clients,
@@ -299,8 +321,12 @@ def main() -> int:
     p.add_argument("--short-tokens", type=int, default=12)
     p.add_argument("--idle-repeats", type=int, default=8)
     p.add_argument("--prefill-budget", type=float, default=0.25)
-    p.add_argument("--window", type=float, default=None,
-                   help="seconds to score at most; then the long prompt is cancelled (default: its prefill)")
+    p.add_argument(
+        "--window",
+        type=float,
+        default=None,
+        help="seconds to score at most; then the long prompt is cancelled (default: its prefill)",
+    )
     p.add_argument("--regime", default=None, help="what to record as the BLAS regime (default: from the env)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -319,8 +345,9 @@ def main() -> int:
             process.wait(60)
         except subprocess.TimeoutExpired:
             process.kill()
-    regime = args.regime or ("openblas-1-thread" if "openblas" in os.environ.get("LD_PRELOAD", "")
-                             else "reference-blas")
+    regime = args.regime or (
+        "openblas-1-thread" if "openblas" in os.environ.get("LD_PRELOAD", "") else "reference-blas"
+    )
     report = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "server_command": "melix-fsm " + args.server_command,
