@@ -31,7 +31,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -68,6 +68,14 @@ class VisionServing:
     placeholder: str  # the text an image part becomes (vision start, image pad, vision end)
     image_tokens: frozenset[int]  # token ids that stand for image content
     options: VisionOptions
+
+    def receipt(self, receipt: dict[str, Any]) -> dict[str, Any]:
+        """The served receipt, with the vision tower."""
+        return {**receipt, "vision_tower": self.tower}
+
+    def settings(self, settings: dict[str, Any]) -> dict[str, Any]:
+        """The served settings, with the image bounds."""
+        return {**settings, "vision": True, **asdict(self.options)}
 
 
 class ImagePrompt(list):
@@ -300,6 +308,12 @@ def row_caches(model: Any, segments: list, caches: list | None) -> list | None:
             prompt = features(ids, mx.array(vision.pixel_values), **kw)
         out[i] = model.prompt_cache(prompt)
     return out
+
+
+def image_safe(prompt_cache: Any, served: Any) -> Any:
+    """The server's prompt cache, wrapped in `ImageSafeCache` where the served model takes images."""
+    vision = getattr(served, "vision", None)
+    return prompt_cache if vision is None else ImageSafeCache(prompt_cache, vision.image_tokens)
 
 
 class ImageSafeCache:

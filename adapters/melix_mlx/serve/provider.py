@@ -24,7 +24,6 @@ Rules of this module:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,15 +92,14 @@ def load_served_model(
     `kv` holds mlx-lm's quantized-KV keyword arguments (melix_fsm.commands.options.kv_arguments).
     `sharding` (under mlx.launch): the model is sharded over the ranks (melix_mlx.runtime.distributed);
     what mlx-lm cannot shard is refused (`unsupported_sharding`) before a weight is read.
-    `vision` (melix_mlx.serve.images.VisionOptions): load the checkpoint through the mlx-vlm
-    adapter, so chat requests may carry images; the receipt notes the vision tower.
+    `vision` (melix_mlx.serve.images.VisionOptions): through the mlx-vlm adapter (images in chats).
     Raises ServeRefused (typed) or ServeError (usage) before the server listens.
     """
     from melix_fsm.config import speculative_config
     from melix_fsm.errors import ConfigError
     from melix_fsm.receipt import ServingContext
     from melix_mlx.decoding.calibration_cache import default_cache
-    from melix_mlx.decoding.startup import StartFailed, StartRefused, start
+    from melix_mlx.decoding.startup import StartFailed, StartRefused
     from melix_mlx.loading.checkpoints import DEFAULT, resolve_model
 
     try:
@@ -131,18 +129,7 @@ def load_served_model(
     try:
         # the one start-up sequence `generate` runs too: receipt, load, device policy
         # a calibration of this model on this machine is reused across restarts (one process only)
-        if vision is not None:  # the mlx-vlm adapter: images in chat content (melix_mlx.serve.images)
-            if sharding is not None:
-                raise ServeError("--vision serves one process; it does not shard")
-            from .images import start_vision
-
-            boot, vision = start_vision(
-                path, config, context, vision, batch_size=1, calibration_cache=default_cache()
-            )
-        else:
-            boot = start(
-                path, config, context, batch_size=1, sharding=sharding, calibration_cache=default_cache()
-            )
+        boot, vision = _start(path, config, context, sharding, vision, default_cache())
     except StartRefused as exc:
         if exc.usage:
             raise ServeError(f"{path}: {exc.message}") from exc
@@ -153,9 +140,6 @@ def load_served_model(
     refusal, head_error, receipt_data, k = boot.refusal, boot.load_error, boot.receipt_data, boot.k
     settings = dict(_config_settings(config), profile=profile, kv=dict(kv) if kv else None)
     settings.update(chunked_prefill=chunked_prefill, sharding=sharding)
-    if vision is not None:
-        receipt_data = {**receipt_data, "vision_tower": vision.tower}
-        settings.update(vision=True, **dataclasses.asdict(vision.options))
     return ServedModel(
         path=path,
         model=main,
@@ -164,12 +148,26 @@ def load_served_model(
         controller=controller,
         num_draft_tokens=k,
         refusal=refusal,
-        receipt=receipt_data,
-        settings=settings,
+        receipt=vision.receipt(receipt_data) if vision else receipt_data,  # notes the vision tower
+        settings=vision.settings(settings) if vision else settings,  # and the image bounds
         head_load_error=head_error,
         requested_method=config.method.value,
         vision=vision,
     )
+
+
+def _start(path: Path, config: Any, context: Any, sharding: str | None, vision: Any, cache: Any) -> tuple:
+    """`(start, VisionServing or None)`: `start`, or through the mlx-vlm adapter with `vision`
+    (melix_mlx.serve.images.VisionOptions)."""
+    from melix_mlx.decoding.startup import start
+
+    if vision is None:
+        return start(path, config, context, batch_size=1, sharding=sharding, calibration_cache=cache), None
+    if sharding is not None:
+        raise ServeError("--vision serves one process; it does not shard")
+    from .images import start_vision
+
+    return start_vision(path, config, context, vision, batch_size=1, calibration_cache=cache)
 
 
 def _config_settings(config: Any) -> dict[str, Any]:

@@ -62,7 +62,7 @@ from melix_fsm.errors import MelixError
 
 from ..decoding.batch_generator import MTPBatchGenerator
 from .chunks import split_segments
-from .images import ImageSafeCache, no_image_parts, row_caches
+from .images import image_safe, no_image_parts, row_caches
 from .plain_path import PartialHits
 from .prompt_work import Clock, PrefillBudget, tokenize
 from .seeded import row_processors, row_sampler
@@ -323,9 +323,7 @@ class ServingResponseGenerator(ResponseGenerator):
         self.batch_generator: ServingBatchGenerator | None = None  # the latest one built
         self._loop = rebind(ResponseGenerator._generate, **self.substitutions())
         self._single = rebind(ResponseGenerator._serve_single, GenerationContext=self._plain_context)
-        vision = getattr(self.served, "vision", None)
-        if vision is not None:  # image tokens never key the prompt cache (melix_mlx.serve.images)
-            prompt_cache = ImageSafeCache(prompt_cache, vision.image_tokens)
+        prompt_cache = image_safe(prompt_cache, self.served)  # image tokens never key it (serve.images)
         super().__init__(model_provider, prompt_cache)  # starts the generation thread
 
     @property
