@@ -18,6 +18,7 @@ import io
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -133,3 +134,16 @@ def test_an_image_to_a_text_only_server_is_a_400():
             running.url, "/v1/chat/completions", {"messages": image_message(data_uri(png_bytes(0)))}
         )
     assert status == 400 and payload["error"]["code"] == "images_unsupported", payload
+
+
+def test_a_cached_prefix_continues_as_text():
+    """A prefix the prompt cache stored mid-prefill holds its first request's prompt
+    features; a row continuing it must not read them (it would decode that prompt)."""
+    from melix_mlx.serve.images import row_caches
+
+    model = loaded_vl()[0]
+    stored = model.prompt_cache(model.features(mx.array([[5, 6, 7, 8, 9]])))
+    (hit,) = row_caches(model, [[[5, 6, 40, 41]]], [stored])
+    assert hit is stored and all(getattr(leaf, "prompt", None) is None for leaf in hit)
+    (fresh,) = row_caches(model, [[[5, 6], [40, 41]]], None)  # no hit: the whole prompt's features
+    assert fresh[model.language_model.model.ssm_idx].prompt.length == 4

@@ -21,7 +21,9 @@ Rules of this module:
 - On the generation thread, when a row is inserted (`row_caches`): every row of a VL
   model without a cached prefix gets a fresh cache carrying its prompt as mlx-vlm prepares
   it (the vision tower runs there), so image and text rows join one batch and decode
-  with MTP together (melix_mlx.vlm.text carries each row's rope delta).
+  with MTP together (melix_mlx.vlm.text carries each row's rope delta). A text row that
+  continues a cached prefix continues it as text: a prompt stored with the prefix (a
+  segment's copy, taken mid-prefill) is another request's and is dropped.
 - Image placeholders are the same token ids whatever the image: a prompt holding them
   is never looked up in, nor stored into, the prompt cache (`ImageSafeCache`).
 """
@@ -251,7 +253,11 @@ def tokenize(generator: Any, tokenizer: Any, request: Any, args: Any) -> tuple |
     text = _chat_text(generator, tokenizer, request, args, messages)
     from mlx_vlm.utils import prepare_inputs
 
-    inputs = prepare_inputs(vision.processor, images=images, prompts=[text])
+    try:
+        inputs = prepare_inputs(vision.processor, images=images, prompts=[text])
+    except ValueError as exc:  # e.g. the text names more images than the request holds
+        raise ApiError(400, f"the prompt and its images do not match: {exc}", param="messages",
+                       code="invalid_image") from None  # fmt: skip
     prompt = ImagePrompt(int(t) for t in np.array(inputs["input_ids"][0]))
     prompt.pixel_values = np.array(inputs["pixel_values"])
     grid = inputs.get("image_grid_thw")
@@ -299,6 +305,9 @@ def row_caches(model: Any, segments: list, caches: list | None) -> list | None:
         if out[i] is not None:
             if vision is not None:
                 raise ValueError("a prompt with images cannot continue a cached prefix")
+            for leaf in out[i]:  # a stored prefix may hold its first request's prompt: not this one's
+                if getattr(leaf, "prompt", None) is not None:
+                    leaf.prompt = None
             continue
         ids = mx.array([[t for s in row for t in s]])
         if vision is None:
