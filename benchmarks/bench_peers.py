@@ -98,12 +98,14 @@ READY_TIMEOUT_S = 600  # a realistic-size load on a loaded CPU
 class Worker:
     """A contender's process: JSON requests in, JSON answers out, one at a time."""
 
-    def __init__(self, name: str, role: str, model: Path, python: str, pythonpath: list[str]) -> None:
+    def __init__(
+        self, name: str, role: str, model: Path, python: str, pythonpath: list[str], clock: str = "wall"
+    ) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(pythonpath)
         self.name, self.role = name, role
         self.proc = subprocess.Popen(
-            [python, "-u", str(WORKER), role, str(model)],
+            [python, "-u", str(WORKER), role, str(model), clock],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -213,17 +215,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = resolve_model(args.model)
     texts = [p.text[: args.prompt_chars] if args.prompt_chars else p.text for p in held_out_prompts(model)]
     ours_path = [str(ROOT), str(ROOT / "adapters"), os.environ.get("PYTHONPATH", "")]
-    workers = {"melix": Worker("melix", "melix", model, sys.executable, ours_path)}
+    workers = {"melix": Worker("melix", "melix", model, sys.executable, ours_path, args.clock)}
     peers: dict[str, dict[str, Any]] = {}
     for spec in args.peer:
         name, _, checkout = spec.partition("=")
         if name == VLM and not checkout:  # the installed mlx-vlm, through our glue
             from importlib.metadata import version
 
-            workers[name] = Worker(name, VLM, model, sys.executable, ours_path)
+            workers[name] = Worker(name, VLM, model, sys.executable, ours_path, args.clock)
             peers[name] = {"installed": f"mlx-vlm {version('mlx-vlm')}"}
             continue
-        workers[name] = Worker(name, "peer", model, args.peer_python or sys.executable, [checkout])
+        workers[name] = Worker(
+            name, "peer", model, args.peer_python or sys.executable, [checkout], args.clock
+        )
         peers[name] = {"checkout": checkout, "commit": _commit(Path(checkout))}
     prompts = workers["melix"].ask({"method": "encode", "texts": texts})["ids"]
     contenders = _contenders(args.ks, list(peers))
@@ -303,6 +307,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "head_to_head": {
             cell: _head_to_head([r for r in runs if r["cell"] == cell], args.ks) for cell in cells
         },
+        "clock": args.clock,
         "model": str(args.model),
         "model_gb": round(size_gb, 2),
         "regime": regime(),
@@ -332,7 +337,7 @@ def _profile_summary(answers: list[dict[str, Any]]) -> dict[str, Any]:
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"{result['model']} ({result['model_gb']} GB), {result['regime']}, greedy, "
-        f"{result['max_tokens']} tokens, {result['rounds']} rounds",
+        f"{result['max_tokens']} tokens, {result['rounds']} rounds, {result.get('clock', 'wall')} clock",
         "",
         "| cell | contender | tokens/s | x mlx-lm (min-max) | identical to mlx-lm | accepted/round "
         "| of ideal | note |",
@@ -382,6 +387,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--prompt-chars", type=int, default=400, help="cut prompts to N characters (0: whole)")
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="decode windows and calibration on the wall clock or each worker's CPU clock (a shared machine)",
+    )
     p.add_argument("--cells", nargs="+", choices=["single", "batch"], default=["single", "batch"])
     p.add_argument("--ideal", action="store_true", help="calibrate after the rounds: each contender's ideal")
     p.add_argument("--profile", action="store_true", help="with --peer mlx-vlm: both cycles, part by part")

@@ -1,7 +1,11 @@
 """One contender of benchmarks/bench_peers.py: a process that loads a checkpoint once and
 decodes on request (JSON lines on stdin, one JSON line per answer on stdout).
 
-    python peer_worker.py ROLE MODEL_DIR
+    python peer_worker.py ROLE MODEL_DIR [wall|cpu]
+
+The decode window is read on the wall clock, or with `cpu` on this process's CPU clock
+(`time.process_time`, every thread's CPU seconds: other processes on a shared machine do
+not count, host-device overlap is not credited).
 
 ROLE `melix`: this project's decoders and mlx-lm's own paths, from the installed mlx-lm.
 ROLE `peer`: a peer's MTP decoding through the `mlx_lm` found first on PYTHONPATH (the
@@ -33,8 +37,10 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
+
+CLOCK: list[Callable[[], float]] = [time.perf_counter]  # set once by main: the decode window's clock
 
 
 def _load(role: str, model_dir: str) -> tuple[Any, Any, Any]:
@@ -64,8 +70,8 @@ def _single(responses: Iterable[Any], last: list[Any] | None = None) -> tuple[li
         if last is not None:
             last[:] = [response]
         if first is None:
-            first = time.perf_counter()
-    end = time.perf_counter()
+            first = CLOCK[0]()
+    end = CLOCK[0]()
     return tokens, end - (first or end), max(len(tokens) - 1, 0)
 
 
@@ -80,9 +86,9 @@ def _batch(gen: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[li
         for response in responses:
             rows[response.uid].append(int(response.token))
         if started is None and all(rows.values()):
-            started = time.perf_counter()
+            started = CLOCK[0]()
             before = sum(len(r) for r in rows.values())
-    end = time.perf_counter()
+    end = CLOCK[0]()
     total = sum(len(r) for r in rows.values())
     if started is None:
         return [rows[u] for u in uids], 0.0, 0
@@ -106,7 +112,7 @@ def _run(role: str, model: Any, tokenizer: Any, head: Any, request: dict[str, An
         from melix_mlx.tools.peers_vlm import decode
 
         depth = k if method == "vlm_mtp" else None
-        return decode(model, prompts, max_tokens, depth, bool(request.get("batch"))).answer()
+        return decode(model, prompts, max_tokens, depth, bool(request.get("batch")), CLOCK[0]).answer()
     slots = {"completion_batch_size": len(prompts), "prefill_batch_size": len(prompts)}
     if method == "peer" and role != "peer" or method == "melix" and role != "melix":
         raise ValueError(f"method {method} needs the {method} role")
@@ -168,7 +174,7 @@ def _calibrate(model: Any, head: Any, request: dict[str, Any]) -> dict[str, Any]
         for _ in range(CALIBRATION_TRIES):  # a shared machine poisons some measurements
             table = calibrate(
                 model, head, batch_sizes=sizes, k=int(k), runs=9, context=int(request["context"]),
-                budget_s=DEFAULT_BUDGET_S * len(sizes),
+                budget_s=DEFAULT_BUDGET_S * len(sizes), timer=CLOCK[0],
             )  # fmt: skip
             if isinstance(table, TimingTable):
                 break
@@ -188,7 +194,7 @@ def _profile(role: str, model: Any, tokenizer: Any, head: Any, request: dict[str
     if role == "mlx-vlm":
         from melix_mlx.tools.peers_vlm import profile_cycles
 
-        return profile_cycles(model, prompt, max_tokens, k)
+        return profile_cycles(model, prompt, max_tokens, k, CLOCK[0])
     from melix_mlx.generate import mtp_stream_generate
     from melix_mlx.runtime.cycle_clock import CycleClock
 
@@ -213,6 +219,8 @@ def _profile(role: str, model: Any, tokenizer: Any, head: Any, request: dict[str
 
 def main() -> None:
     role, model_dir = sys.argv[1], sys.argv[2]
+    if sys.argv[3:] == ["cpu"]:
+        CLOCK[0] = time.process_time
     model, tokenizer, head = _load(role, model_dir)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:

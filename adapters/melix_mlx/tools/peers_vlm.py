@@ -17,6 +17,13 @@ Rules of this module:
   contender does alike, is left out), as benchmarks/peer_worker.py does for every peer.
 - Acceptance is the drafter's own per-round record (`accept_lens`, reset at a run's
   start): in a batch each round records the mean over its rows.
+- `QABatch` puts mlx-vlm's `BatchGenerator` (with the drafter: speculative cohorts) behind
+  the kit's batch surface (melix_fsm.testing.surfaces.BatchSurface): its `insert` takes
+  no stop sequences, so a request's stop object (mlx-lm's `StopSequences`, the one the
+  kit hands mlx-lm's generator) is matched here on each emitted token and a stopped
+  request is removed from mlx-vlm's batch; its `remove` takes one uid; a finish it
+  reports without a token (`token=None`) is put on the request's previous token, which
+  is therefore held back one response. Nothing else is added or corrected.
 - `profile_cycles` times the parts of mlx-vlm's single-sequence MTP cycle by wrapping its
   functions for the duration of one call and evaluating each part's output before the
   clock stops (a synchronised profile: parts that overlap in a normal run are serialised,
@@ -27,13 +34,15 @@ Rules of this module:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+
+Timer = Callable[[], float]
 
 
 class PeerSetupError(ValueError):
@@ -93,7 +102,7 @@ def _spec(peer: VLMPeer, k: int | None) -> dict[str, Any]:
     return {"draft_model": peer.drafter, "draft_kind": "mtp", "draft_block_size": k + 1}
 
 
-def _single(peer: VLMPeer, prompt: list[int], max_tokens: int, k: int | None) -> PeerRun:
+def _single(peer: VLMPeer, prompt: list[int], max_tokens: int, k: int | None, timer: Timer) -> PeerRun:
     from mlx_vlm.generate.ar import generate_step
 
     ids = mx.array([prompt])
@@ -105,8 +114,8 @@ def _single(peer: VLMPeer, prompt: list[int], max_tokens: int, k: int | None) ->
     for token, _ in steps:
         tokens.append(int(token))
         if first is None:
-            first = time.perf_counter()
-    end = time.perf_counter()
+            first = timer()
+    end = timer()
     run = PeerRun([tokens], end - (first or end), max(len(tokens) - 1, 0))
     if k is not None:
         run.accepted = list(peer.drafter.accept_lens)
@@ -124,7 +133,7 @@ def _embedded(peer: VLMPeer, prompts: list[list[int]]) -> list[dict[str, Any]]:
     return out
 
 
-def _batch(peer: VLMPeer, prompts: list[list[int]], max_tokens: int, k: int | None) -> PeerRun:
+def _batch(peer: VLMPeer, prompts: list[list[int]], max_tokens: int, k: int | None, timer: Timer) -> PeerRun:
     from mlx_vlm.generate.ar import BatchGenerator
 
     slots = {"completion_batch_size": len(prompts), "prefill_batch_size": len(prompts)}
@@ -142,9 +151,9 @@ def _batch(peer: VLMPeer, prompts: list[list[int]], max_tokens: int, k: int | No
                 if response.token is not None:
                     rows[response.uid].append(int(response.token))
             if started is None and all(rows.values()):
-                started = time.perf_counter()
+                started = timer()
                 before = sum(len(r) for r in rows.values())
-        end = time.perf_counter()
+        end = timer()
     finally:
         gen.close()
     tokens = [rows[u] for u in uids]
@@ -156,13 +165,91 @@ def _batch(peer: VLMPeer, prompts: list[list[int]], max_tokens: int, k: int | No
     return run
 
 
-def decode(peer: VLMPeer, prompts: list[list[int]], max_tokens: int, k: int | None, batch: bool) -> PeerRun:
-    """One run: a single sequence (`batch` False, one prompt) or a batch of all `prompts`."""
+def decode(
+    peer: VLMPeer,
+    prompts: list[list[int]],
+    max_tokens: int,
+    k: int | None,
+    batch: bool,
+    timer: Timer = time.perf_counter,
+) -> PeerRun:
+    """One run: a single sequence (`batch` False, one prompt) or a batch of all `prompts`,
+    its decode window read on `timer` (wall clock, or `time.process_time`: CPU seconds)."""
     if not batch:
         if len(prompts) != 1:
             raise ValueError("a single-sequence run takes one prompt")
-        return _single(peer, prompts[0], max_tokens, k)
-    return _batch(peer, prompts, max_tokens, k)
+        return _single(peer, prompts[0], max_tokens, k, timer)
+    return _batch(peer, prompts, max_tokens, k, timer)
+
+
+# -- the qa kit's surface --------------------------------------------------------------------
+
+
+class QABatch:
+    """mlx-vlm's `BatchGenerator` with the kit's batch calls (see the module rules)."""
+
+    def __init__(self, peer: VLMPeer, k: int | None, sampler: Any = None, **slots: int) -> None:
+        from mlx_vlm.generate.ar import BatchGenerator
+
+        self.peer = peer
+        self.gen = BatchGenerator(
+            peer.model.language_model, peer.processor, sampler=sampler, **slots, **_spec(peer, k)
+        )
+        self.matchers: dict[int, Any] = {}
+        self.held: dict[int, int] = {}  # each open request's latest token, not yet handed out
+        self.ended: set[int] = set()
+
+    def insert(
+        self, prompts: list[list[int]], max_tokens: list[int], stop_sequences: Any = None
+    ) -> list[int]:
+        kwargs = _embedded(self.peer, prompts)
+        uids = self.gen.insert(prompts, max_tokens=max_tokens, prompt_kwargs=kwargs)
+        for uid, stops in zip(uids, stop_sequences or [None] * len(uids)):
+            if stops is not None:
+                self.matchers[uid] = stops.matcher()
+        return uids
+
+    def next(self) -> tuple[list[Any], list[Any]]:
+        from mlx_vlm.generate.ar import GenerationBatch
+
+        out: list[Any] = []
+
+        def emit(uid: int, token: int, reason: str | None) -> None:
+            out.append(
+                GenerationBatch.Response(uid=uid, token=token, token_logprob=0.0, finish_reason=reason)
+            )
+
+        _, responses = self.gen.next()
+        for r in responses:
+            if r.uid in self.ended:
+                continue  # a request this adapter stopped, still in mlx-vlm's round
+            if r.token is None:  # a finish without a token: it belongs to the held one
+                if r.uid in self.held:
+                    emit(r.uid, self.held.pop(r.uid), r.finish_reason)
+                self.ended.add(r.uid)
+                continue
+            if r.uid in self.held:
+                emit(r.uid, self.held.pop(r.uid), None)
+            matcher = self.matchers.get(r.uid)
+            if matcher is not None and matcher.advance(int(r.token)) and r.finish_reason is None:
+                emit(r.uid, int(r.token), "stop")
+                self.ended.add(r.uid)
+                self.gen.remove(r.uid)
+            elif r.finish_reason is not None:
+                emit(r.uid, int(r.token), r.finish_reason)
+                self.ended.add(r.uid)
+            else:
+                self.held[r.uid] = int(r.token)
+        return [], out
+
+    def remove(self, uids: list[int]) -> None:
+        for uid in uids:
+            self.held.pop(uid, None)
+            self.ended.add(uid)
+            self.gen.remove(uid)
+
+    def close(self) -> None:
+        self.gen.close()
 
 
 # -- where mlx-vlm's cycle goes ---------------------------------------------------------------
@@ -183,15 +270,15 @@ def _arrays(value: Any) -> list[mx.array]:
 
 
 @contextmanager
-def _timed(totals: dict[str, float], peer: VLMPeer, caches: list[Any]) -> Iterator[None]:
+def _timed(totals: dict[str, float], peer: VLMPeer, caches: list[Any], timer: Timer) -> Iterator[None]:
     from mlx_vlm.speculative import mtp
 
     def wrap(name: str, fn: Any, settle: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start = timer()
             out = fn(*args, **kwargs)
             mx.eval(_arrays(settle(out)))
-            totals[name] += time.perf_counter() - start
+            totals[name] += timer() - start
             return out
 
         return timed
@@ -214,18 +301,20 @@ def _timed(totals: dict[str, float], peer: VLMPeer, caches: list[Any]) -> Iterat
         del drafter.draft_block, drafter.accept_verified_tokens  # the class's own methods again
 
 
-def profile_cycles(peer: VLMPeer, prompt: list[int], max_tokens: int, k: int) -> dict[str, Any]:
+def profile_cycles(
+    peer: VLMPeer, prompt: list[int], max_tokens: int, k: int, timer: Timer = time.perf_counter
+) -> dict[str, Any]:
     """Per-cycle milliseconds of mlx-vlm's single-sequence MTP decode at depth k: each part
     synchronised (see the module rules), `host` the rest of the cycle, and `cycle_unprofiled`
     from a normal run of the same prompt just before."""
     from mlx_vlm.generate.ar import generate_step
     from mlx_vlm.models import cache as vlm_cache
 
-    plain = _single(peer, prompt, max_tokens, k)
+    plain = _single(peer, prompt, max_tokens, k, timer)
     caches = vlm_cache.make_prompt_cache(peer.model.language_model)
     totals = dict.fromkeys(PARTS, 0.0)
     ids = mx.array([prompt])
-    with _timed(totals, peer, caches):
+    with _timed(totals, peer, caches, timer):
         steps = generate_step(
             ids,
             peer.model,
@@ -239,8 +328,8 @@ def profile_cycles(peer: VLMPeer, prompt: list[int], max_tokens: int, k: int) ->
         first = None
         for _ in steps:
             if first is None:
-                first = time.perf_counter()
-        end = time.perf_counter()
+                first = timer()
+        end = timer()
     cycles = max(len(peer.drafter.accept_lens), 1)
     wall = end - (first or end)
     parts = {name: totals[name] / cycles * 1e3 for name in PARTS}

@@ -11,6 +11,11 @@ Rules of this module:
   installed as `mlx_lm`): its `BatchGenerator(..., mtp=True)` on the model the kit
   loaded with that fork's `load`, which keeps the MTP head (`mtp_forward`); without a
   head there is nothing to test, which is a set-up error.
+- `mlx_vlm_mtp`: the installed mlx-vlm's batched MTP (`BatchGenerator` with the drafter
+  `load_drafter(CHECKPOINT, kind="mtp")` builds from the checkpoint's head, k = 2: block
+  size 3) on the model mlx-vlm itself loads from `checkpoint`, behind the kit's batch
+  surface (melix_mlx.tools.peers_vlm.QABatch states what that glue does and no more).
+  `mlx_vlm_plain` is the same generator without the drafter, the control.
 """
 
 from __future__ import annotations
@@ -40,3 +45,27 @@ def airrunner_mtp(model: Any, temperature: float = 0.0) -> Any:
     return BatchGenerator(
         model, sampler=_sampler(temperature), mtp=True, prefill_batch_size=2, completion_batch_size=3
     )
+
+
+_VLM_PEERS: dict[str, Any] = {}  # one mlx-vlm load per checkpoint: the kit builds many generators
+
+
+def _vlm_generator(checkpoint: str, temperature: float, k: int | None) -> Any:
+    from melix_mlx.tools.peers_vlm import QABatch, load_peer
+
+    if checkpoint not in _VLM_PEERS:
+        _VLM_PEERS[checkpoint] = load_peer(checkpoint)
+    sampler = None
+    if temperature > 0:
+        from mlx_vlm.sample_utils import make_sampler
+
+        sampler = make_sampler(temp=temperature)
+    return QABatch(_VLM_PEERS[checkpoint], k, sampler, prefill_batch_size=2, completion_batch_size=3)
+
+
+def mlx_vlm_mtp(checkpoint: str, temperature: float = 0.0) -> Any:
+    return _vlm_generator(checkpoint, temperature, k=2)
+
+
+def mlx_vlm_plain(checkpoint: str, temperature: float = 0.0) -> Any:
+    return _vlm_generator(checkpoint, temperature, k=None)
