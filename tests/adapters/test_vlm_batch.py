@@ -73,10 +73,10 @@ def test_cli_decodes_image_and_text_rows_together(rows, tmp_path, capsys):
     table = [{"prompt": "def main(): w", "images": [str(tmp_path / "a.png")]}, TEXT_PROMPT]
     (tmp_path / "rows.json").write_text(json.dumps(table))
     argv = ["generate", "--model", str(tiny_vl()), "--vision", "--prompts-file", str(tmp_path / "rows.json")]
-    assert main([*argv, "--max-tokens", str(N), "--json", "--device-policy", "force_on"]) == 0
+    assert main([*argv, "--max-tokens", "8", "--json", "--device-policy", "force_on"]) == 0
     out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     _, want = rows
-    assert [r["tokens"] for r in out] == want[:2]
+    assert [r["tokens"] for r in out] == [w[:8] for w in want[:2]]  # greedy: a prefix of the longer run
     assert out[0]["vision_tower"].startswith("qwen3_5") and out[0]["method"] == "mtp"
     assert out[0]["stats"]["accepted"] > 0
     bad = ["generate", "--model", str(tiny_vl()), "--prompt", "x", "--image", str(tmp_path / "rows.json")]

@@ -7,7 +7,7 @@
   metric says 2) each answer what they answer alone.
 - Refusals, typed: bad base64, bytes that are no image, too many images, too large an
   image, a remote url without the operator's allow flag (400 / 413); an image sent to a
-  text-only server is a 400.
+  text-only server is a 400 (`images_unsupported`).
 Skipped when mlx-vlm or openai is not installed.
 """
 
@@ -128,12 +128,18 @@ def test_bad_images_are_refused_typed(server, uris, status, code):
 
 
 def test_an_image_to_a_text_only_server_is_a_400():
-    served = load_served_model(str(tiny_vl()), 2, "force_on")  # the same checkpoint, without --vision
-    with serving(served) as running:
-        status, _, payload = post_json(
-            running.url, "/v1/chat/completions", {"messages": image_message(data_uri(png_bytes(0)))}
-        )
-    assert status == 400 and payload["error"]["code"] == "images_unsupported", payload
+    """The check behind a text-only server's 400 (test_serve_http sends it over HTTP)."""
+    from types import SimpleNamespace
+
+    from melix_mlx.serve.errors import ApiError
+    from melix_mlx.serve.images import tokenize
+
+    text_only = SimpleNamespace(served=SimpleNamespace(vision=None))
+    request = SimpleNamespace(request_type="chat", messages=image_message(data_uri(png_bytes(0))))
+    with pytest.raises(ApiError) as refused:
+        tokenize(text_only, None, request, None)
+    assert refused.value.status == 400 and refused.value.code == "images_unsupported"
+    assert tokenize(text_only, None, SimpleNamespace(request_type="chat", messages=[]), None) is None
 
 
 def test_a_cached_prefix_continues_as_text():

@@ -98,7 +98,7 @@ class _Arrays(ArraysCache):
     def filter(self, batch_indices: Any) -> None:
         deltas = self.row_deltas()
         super().filter(batch_indices)
-        index = batch_indices if isinstance(batch_indices, mx.array) else mx.array(batch_indices)
+        index = mx.array(batch_indices, dtype=mx.int32)  # an empty list too (every row left)
         self.deltas, self.prompt = deltas[index], None
 
     def extract(self, idx: int) -> _Arrays:
