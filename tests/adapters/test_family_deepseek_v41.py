@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1 as a speculation target: its LayerCache rolls back exactly (no replay).
+"""DeepSeek-V4.1: its LayerCache rolls back exactly (no replay), and its DSpark drafter runs.
 
 On a tiny mlx-lm DeepSeek-V4.1 model (window 4; compressors of ratio 4 and 1, compressed
 KV shared across layers, an indexer with candidate blocks; random weights):
@@ -12,8 +12,19 @@ KV shared across layers, an indexer with candidate blocks; random weights):
   output token for token at k = 1..3, with rollbacks; so do a prompt prefilled in chunks
   and 4-bit weights (a quantized KV cache refuses speculation, typed, and still decodes
   as mlx-lm does);
-- a batch and a quantized KV cache are refused for the kind, typed; the MTP method stays
-  refused for the family (its mtp.* layers are a block drafter), with that reason.
+- a batch and a quantized KV cache are refused for the kind, typed.
+On the make-tiny checkpoint (published layout, the DSpark drafter as ``mtp.{0,1,2}.*``):
+- it loads as ONE head over its three stages, its taps declared, logits unchanged;
+- the drafter's block equals an independent forward written from DeepSeek's published
+  ``inference/model.py`` (DSparkAttention / DSparkBlock / forward_head: taps = streams
+  entering the target layers averaged, window context, non-causal block seeded with the
+  noise token, Markov bias of the previous token), every draft of the block, float32,
+  tolerance 1e-4 of the logits' scale; a wrong tap (a layer's output) or a causal block
+  is caught;
+- greedy decoding with it equals mlx-lm at k = 1..3; with its Markov head scripted to the
+  target's bigrams, drafts are accepted (deep chains served from one block) and still
+  equal; after decoding, the main cache and the drafter's caches equal a clean run over
+  the confirmed tokens.
 """
 
 from __future__ import annotations
@@ -219,8 +230,9 @@ def test_batch_and_quantized_kv_are_refused_typed(model) -> None:
     quantized = rollback.refusal(cache, quantized_kv=True)
     assert quantized is not None and quantized.startswith(RefusalReason.unsupported_quantization.value)
     family = registry().families["deepseek_v41"]
-    assert family.support is Support.refused and family.refusal is RefusalReason.unsupported_model
-    assert "DSpark" in family.message and family.cache_kinds == ("layer_cache",)
+    assert family.support is Support.mtp and family.head_module == "deepseek_v41"
+    assert "DSpark" in family.doc and family.cache_kinds == ("layer_cache",)
+    assert "layer_cache" in registry().unmergeable
 
 
 def test_a_batch_of_it_is_refused_typed_before_any_row(model) -> None:
@@ -233,3 +245,222 @@ def test_a_batch_of_it_is_refused_typed_before_any_row(model) -> None:
         MTPBatchGenerator(model, None, max_tokens=4)
     assert err.value.reason is RefusalReason.unsupported_cache_sharing
     assert "layer_cache" in err.value.message
+
+
+# -- the DSpark drafter on its make-tiny checkpoint ----------------------------------------
+DSPARK_PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
+DSPARK_N = 12
+
+
+@pytest.fixture(scope="module")
+def dspark(tiny_checkpoint) -> Any:
+    from melix_mlx.loading import load_with_heads
+
+    path = tiny_checkpoint("deepseek_v41")
+    model, _, head, info = load_with_heads(path)
+    config = __import__("json").loads((path / "config.json").read_text())
+    return model, head, info, config
+
+
+def _rms(x: mx.array, w: mx.array, eps: float) -> mx.array:
+    x = x.astype(mx.float32)
+    return x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rope(x: mx.array, positions: mx.array, base: float, rd: int, inverse: bool = False) -> mx.array:
+    """model.py's apply_rotary_emb: adjacent pairs of the trailing rd features as complex
+    numbers times exp(i * position * base^(-2j / rd)); the inverse conjugates."""
+    tail = x[..., -rd:].astype(mx.float32)
+    angle = positions.reshape(-1, *([1] * (x.ndim - 2)), 1) * base ** (-mx.arange(0, rd, 2) / rd)
+    cos, sin = mx.cos(angle), (-1.0 if inverse else 1.0) * mx.sin(angle)
+    even, odd = tail[..., 0::2], tail[..., 1::2]
+    rotated = mx.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1).reshape(tail.shape)
+    return mx.concatenate([x[..., :-rd], rotated.astype(x.dtype)], axis=-1)
+
+
+def _fp8(x: mx.array) -> mx.array:
+    """act_quant: e4m3 round trip per 32 features, power-of-two scale over amax / 448."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    amax = mx.maximum(mx.max(mx.abs(blocks), axis=-1, keepdims=True), 1e-4)
+    scale = 2.0 ** mx.ceil(mx.log2(amax / 448.0))
+    q = mx.from_fp8(mx.to_fp8(mx.clip(blocks / scale, -448.0, 448.0)), mx.float32) * scale
+    return q.reshape(x.shape)
+
+
+def _sink_attention(q: mx.array, kv: mx.array, sink: mx.array, scale: float) -> mx.array:
+    """sparse_attn over every given row: softmax with each head's sink in the denominator."""
+    scores = mx.einsum("shd,kd->shk", q, kv) * scale
+    top = mx.maximum(mx.max(scores, axis=-1), sink)
+    e = mx.exp(scores - top[..., None])
+    denom = mx.sum(e, axis=-1) + mx.exp(sink - top)
+    return mx.einsum("shk,kd->shd", e, kv) / denom[..., None]
+
+
+def _collapse(x: mx.array, mix: mx.array) -> mx.array:  # Block.hc_pre
+    return mx.sum(mix[..., None] * x, axis=-2)
+
+
+def _expand(x: mx.array, residual: mx.array, post: mx.array, comb: mx.array) -> mx.array:  # Block.hc_post
+    return post[..., None] * x[..., None, :] + mx.sum(comb[..., None] * residual[..., :, None, :], axis=-3)
+
+
+def _reference_taps(model: Any, tokens: list[int], targets: list[int], after: bool = False) -> mx.array:
+    """Transformer.forward's main_hidden: the streams ENTERING each target layer, averaged
+    (`after`: the layer's output instead, the wrong tap)."""
+    inner = model.model
+    n = len(tokens)
+    streams = mx.broadcast_to(inner.embed_tokens(mx.array([tokens]))[:, :, None], (1, n, 2, 64))
+    pre_mix = mx.zeros((1, n, 2)).at[..., 0].add(1.0)
+    idx = dsv41._window_indices(previous=0, length=n, window=WINDOW)[None]
+    cache, shared, taps = inner.make_cache(), {}, []
+    for i, layer in enumerate(inner.layers):
+        if i in targets and not after:
+            taps.append(mx.mean(streams, axis=2))
+        streams, pre_mix = layer(streams, pre_mix, start_pos=0, window_idx=idx, cache=cache[i], shared=shared)
+        if i in targets and after:
+            taps.append(mx.mean(streams, axis=2))
+    return mx.concatenate(taps, axis=-1)[0]
+
+
+def _reference_block(model, head, config, taps, seed, causal=False) -> mx.array:
+    """DSparkBlock / DSparkAttention / forward_head over the context `taps` [L, T * D] and the
+    seed token at position L: the block's pre-norm hidden [block, D]. The trunk block pieces
+    (hyper-connection mixes, the MoE) are the stage's own modules: their math is the
+    trunk's, which every identity test checks; the DSpark wiring is written here."""
+    eps, base, rd = config["rms_norm_eps"], config["rope_theta"], config["qk_rope_head_dim"]
+    size, p = config["dspark_block_size"], taps.shape[0] - 1
+    main_x = _rms(taps @ head.main_proj.weight.T, head.main_norm.weight, eps)
+    ctx_pos = mx.arange(max(0, p - WINDOW + 1), p + 1)
+    block_pos = p + 1 + mx.arange(size)
+    ids = mx.array([seed] + [config["dspark_noise_token_id"]] * (size - 1))
+    x = mx.broadcast_to(model.model.embed_tokens(ids)[:, None], (size, 2, 64))
+    pre_mix = mx.zeros((size, 2)).at[:, 0].add(1.0)
+    for stage in head.stages:
+        a = stage.self_attn
+        ctx = _fp8(
+            _rope(_rms(main_x @ a.kv_proj.weight.T, a.kv_norm.weight, eps), mx.arange(p + 1), base, rd)
+        )
+        ctx = ctx[ctx_pos]
+        attn_pre, attn_post, attn_comb = (m[0] for m in stage.attn_hc(x[None]))
+        h = _rms(_collapse(x, pre_mix), stage.input_layernorm.weight, eps)
+        q = (_rms(h @ a.q_a_proj.weight.T, a.q_a_norm.weight, eps) @ a.q_b_proj.weight.T).reshape(size, 2, 32)
+        q = _rope(q, block_pos, base, rd)
+        kv = _fp8(_rope(_rms(h @ a.kv_proj.weight.T, a.kv_norm.weight, eps), block_pos, base, rd))
+        if causal:  # the wrong form: each block position sees only the block before it
+            o = mx.concatenate(
+                [
+                    _sink_attention(q[i : i + 1], mx.concatenate([ctx, kv[: i + 1]]), a.sinks, 32**-0.5)
+                    for i in range(size)
+                ]
+            )
+        else:  # DSparkAttention: every block query sees the context rows and the whole block
+            o = _sink_attention(q, mx.concatenate([ctx, kv]), a.sinks, 32**-0.5)
+        o = _rope(o, block_pos, base, rd, inverse=True).reshape(size, 2, -1)
+        o = mx.einsum("sgd,grd->sgr", o, a.o_a_proj.weight).reshape(size, -1) @ a.o_b_proj.weight.T
+        x = _expand(o, x, attn_post, attn_comb)
+        ffn_pre, ffn_post, ffn_comb = (m[0] for m in stage.ffn_hc(x[None]))
+        h = stage.mlp(_rms(_collapse(x, attn_pre), stage.post_attention_layernorm.weight, eps)[None])[0]
+        x, pre_mix = _expand(h, x, ffn_post, ffn_comb), ffn_pre
+    return _collapse(x, pre_mix)
+
+
+def _head_logits(head, hidden: mx.array, pairs: list[int], previous: list[int]) -> list[mx.array]:
+    seeds = head.trunk(hidden, mx.array([pairs]), head.make_cache())[:, -1:]
+    out = [head.logits(seeds)[0, 0]]
+    for i, token in enumerate(previous[1:], start=1):
+        out.append(head.chain_step(i, seeds, mx.array([[token]], mx.uint32))[0][0, 0])
+    return out
+
+
+def test_dspark_loads_as_one_head_with_its_taps(dspark) -> None:
+    from melix_mlx.runtime.hidden import forward_with_hidden, taps_of
+
+    model, head, info, config = dspark
+    assert info.head_layers == 1 and info.advertised_layers == 3 and info.refusal is None
+    assert len(head.stages) == 3 and taps_of(model) == (1, 2, 3)
+    assert head.stages[0].mlp.experts.switch_mlp.gate_proj.weight.shape[0] == 2  # dspark_n_routed_experts
+    assert head.stages[0].mlp.gate.top_k == 1 and model.layers[0].mlp.gate.top_k == 2
+    x = mx.array([DSPARK_PROMPT])
+    logits, hidden = forward_with_hidden(model, x, model.make_cache())
+    assert mx.array_equal(logits, model(x, model.make_cache())).item()  # taps change no logit
+    assert hidden.shape[-1] == 4 * 64
+    want = _reference_taps(model, DSPARK_PROMPT, [1, 2, 3])
+    assert mx.abs(hidden[0, :, 64:] - want).max().item() <= 1e-6
+    assert (
+        mx.abs(hidden[0, :, 64:] - _reference_taps(model, DSPARK_PROMPT, [1, 2, 3], after=True)).max().item()
+        > 1e-2
+    )
+
+
+def test_dspark_block_equals_the_published_forward(dspark) -> None:
+    from melix_mlx.runtime.hidden import forward_with_hidden
+
+    model, head, _, config = dspark
+    x = mx.array([DSPARK_PROMPT])
+    _, hidden = forward_with_hidden(model, x, model.make_cache())
+    seed = 65
+    taps = _reference_taps(model, DSPARK_PROMPT, [1, 2, 3])
+    block = _reference_block(model, head, config, taps, seed)
+    base = _rms(block, head.norm.weight, config["rms_norm_eps"]) @ model.lm_head.weight.T
+    markov = head.markov_head.head.weight @ head.markov_head.embed.weight.T  # [V, V]: column = previous
+    previous, want = [seed], []
+    for i in range(config["dspark_block_size"]):
+        want.append(base[i] + markov[:, previous[-1]])
+        previous.append(int(mx.argmax(want[-1]).item()))
+    got = _head_logits(head, hidden, DSPARK_PROMPT[1:] + [seed], previous[:-1])
+    scale = max(1.0, max(mx.abs(w).max().item() for w in want))
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert mx.abs(g - w).max().item() <= 1e-4 * scale, i
+    # the test sees the difference a causal block would make
+    causal = _reference_block(model, head, config, taps, seed, causal=True)
+    assert mx.abs(causal[0] - block[0]).max().item() > 1e-3
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_dspark_greedy_identity(dspark, k) -> None:
+    model, head, _, _ = dspark
+    want = reference(model, DSPARK_PROMPT, DSPARK_N)
+    got, decoder = mtp(model, head, DSPARK_PROMPT, DSPARK_N, k)
+    assert got == want
+    assert decoder.stats["refusal"] is None and decoder.stats["cycles"] > 0
+
+
+class _Bigrams(nn.Module):
+    """A Markov head scripted to the target's bigrams: drafts the target's own next token."""
+
+    def __init__(self, text: list[int], vocab: int) -> None:
+        super().__init__()
+        table = mx.zeros((vocab, vocab))
+        for a, b in zip(text, text[1:]):
+            table = table.at[a].multiply(0.0).at[a, b].add(1e4)
+        self.table = table
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        return self.table[tokens]
+
+
+def test_dspark_accepted_chains_and_exact_rollback(dspark) -> None:
+    """Drafts accepted deep (one block serves the chain) and rejected alike keep identity;
+    afterwards the main cache and every stage's cache equal a clean run."""
+    from melix_mlx.runtime.hidden import forward_with_hidden
+
+    model, head, _, _ = dspark
+    want = reference(model, DSPARK_PROMPT, DSPARK_N)
+    original = head.markov_head
+    head.markov_head = _Bigrams(DSPARK_PROMPT + want, original.head.weight.shape[0])
+    try:
+        got, decoder = mtp(model, head, DSPARK_PROMPT, DSPARK_N, 3)
+    finally:
+        head.markov_head = original
+    assert got == want and decoder.stats["accepted"] >= DSPARK_N // 2
+    got, decoder = mtp(model, head, DSPARK_PROMPT, DSPARK_N, 3)  # the random drafter: rejected
+    assert got == want and decoder.stats["rollbacks"] > 0
+    text = DSPARK_PROMPT + want[:-1]  # the caches hold every token but the last
+    clean = model.make_cache()
+    _, hidden = forward_with_hidden(model, mx.array([text]), clean)
+    _assert_equal(decoder.cache, clean)
+    clean_head = head.make_cache()
+    head.trunk(hidden, mx.array([text[1:] + [want[-1]]]), clean_head)
+    for c, d in zip(decoder.head_cache, clean_head, strict=True):
+        assert c.offset == d.offset == len(text)
+        assert mx.abs(c.keys[..., : c.offset, :] - d.keys[..., : d.offset, :]).max().item() <= TOLERANCE

@@ -24,7 +24,7 @@ For each family:
   `all_tokens`, and a continuation inserted on them decodes as mlx-lm does;
 - a 4-bit converted checkpoint keeps identity; a quantized KV cache is refused for the
   window (typed, `unsupported_quantization`), not for the family;
-- deepseek_v41 stays refused for MTP, with its reason (its cache kind refused batched, typed).
+- deepseek_v41 runs one sequence at a time (its cache kind refused batched, typed).
 """
 
 from __future__ import annotations
@@ -365,17 +365,17 @@ def test_4bit_identity(loaded, family, tmp_path):
     family_checks.four_bit_identity(loaded[family][0], family, tmp_path, PROMPTS[::2], N)
 
 
-def test_deepseek_v41_stays_refused_with_its_reasons() -> None:
-    """DeepSeek-V4.1's mtp.* layers are a block drafter the head interface cannot run: the
-    family is refused for MTP. Its LayerCache rolls back exactly one sequence at a time
-    (tests/adapters/test_family_deepseek_v41.py); batched, it is refused typed."""
+def test_deepseek_v41_runs_one_sequence_and_is_refused_batched() -> None:
+    """DeepSeek-V4.1 runs its DSpark block drafter (tests/adapters/test_family_deepseek_v41.py)
+    on a LayerCache that rolls back exactly one sequence at a time; batched, it is refused
+    typed."""
     from mlx_lm.models.deepseek_v41 import LayerCache
 
     from melix_fsm.registry import Support, registry
 
     family = registry().families["deepseek_v41"]
-    assert family.support is Support.refused and family.refusal is RefusalReason.unsupported_model
-    assert "block drafter" in family.message and family.cache_kinds == ("layer_cache",)
+    assert family.support is Support.mtp and not family.batch_reshape
+    assert "block drafter" in family.doc and family.cache_kinds == ("layer_cache",)
     cache = [LayerCache(WINDOW), LayerCache(WINDOW)]
     assert rollback.kind_of(cache[0]) == "layer_cache"
     assert rollback.refusal(cache) is None

@@ -28,10 +28,10 @@ RUNNABLE |= {"bailing_moe_v3", "bailing_hybrid"}
 RUNNABLE |= {"deepseek_v32", "glm_moe_dsa"}
 RUNNABLE |= {"nemotron_h"}
 RUNNABLE |= {"mimo_v2_flash", "step3p5", "exaone_moe"}
+RUNNABLE |= {"deepseek_v41"}
 REFUSED = {
     "kimi_k3",
     "longcat_flash_ngram",
-    "deepseek_v41",
 }
 
 

@@ -326,6 +326,7 @@ def _decode_and_print(
 ) -> int:
     import mlx.core as mx
 
+    from melix_mlx.loading.errors import UnsupportedServing
     from melix_mlx.runtime.sampling import make_sampler
 
     from .generate_decode import decode_batched, decode_single
@@ -344,6 +345,8 @@ def _decode_and_print(
             results = [single]
         else:
             results = decode_batched(model, tokenizer, head, prompts, args, k, sampler, refusal, controller)
+    except UnsupportedServing as exc:  # a batch of a cache mlx-lm cannot merge (DeepSeek-V4.1's)
+        return _refused(common["receipt"], exc.reason.value, exc.message)
     except (ValueError, NotImplementedError) as exc:  # an option mlx / mlx-lm reject at decode time
         return _fail(f"decoding failed: {type(exc).__name__}: {exc}")
     wall_s = time.perf_counter() - started

@@ -21,6 +21,7 @@ FAMILIES += ("deepseek_v32", "glm_moe_dsa")
 FAMILIES += ("nemotron_h",)
 FAMILIES += ("bailing_moe_v3", "bailing_hybrid")
 FAMILIES += ("mimo_v2_flash", "step3p5", "exaone_moe")
+FAMILIES += ("deepseek_v41",)
 
 
 def register(subparsers: Any) -> None:

@@ -107,7 +107,10 @@ def read_head_weights(
             fmt,
             tuple(selected),
         )
-    wanted = layers if layers is not None else list(range(max(advertised_head_count(config), 1)))
+    # a block drafter's stages are one head (heads.deepseek_v41), not a layer per draft step
+    one = getattr(FAMILY_MODULES[family], "STAGES_FORM_ONE_HEAD", False)
+    count = 1 if one else max(advertised_head_count(config), 1)
+    wanted = layers if layers is not None else list(range(count))
     out: dict[int, dict[str, mx.array]] = {}
     for j in wanted:
         out[j] = FAMILY_MODULES[family].from_hf(raw, text_config(config), layer=j)

@@ -27,7 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import tiny_dsa, tiny_ernie_longcat, tiny_linear, tiny_moe, tiny_nemotron, tiny_swa
+from . import tiny_dsa, tiny_dsv41, tiny_ernie_longcat, tiny_linear, tiny_moe, tiny_nemotron, tiny_swa
 from .tiny_layers import Init, lm_head, mlp, qwen3_5_full_attn, qwen3_5_linear_attn
 from .tiny_tokenizer import EOS_TOKEN_ID, VOCAB_SIZE, write_tokenizer
 
@@ -136,6 +136,7 @@ ALL_FAMILIES = FAMILIES + MORE_FAMILIES + tiny_dsa.FAMILIES + tiny_ernie_longcat
 ALL_FAMILIES += tiny_linear.FAMILIES
 ALL_FAMILIES += tiny_nemotron.FAMILIES
 ALL_FAMILIES += tiny_swa.FAMILIES
+ALL_FAMILIES += tiny_dsv41.FAMILIES
 # the config key each family's head count is written under (``mtp_layers``)
 HEAD_COUNT_KEY = {
     "qwen3_5": "mtp_num_hidden_layers",
@@ -151,6 +152,7 @@ HEAD_COUNT_KEY.update(tiny_linear.HEAD_COUNT_KEY)
 HEAD_COUNT_KEY.update(tiny_ernie_longcat.HEAD_COUNT_KEY)
 HEAD_COUNT_KEY.update(tiny_nemotron.HEAD_COUNT_KEY)
 HEAD_COUNT_KEY.update(tiny_swa.HEAD_COUNT_KEY)
+HEAD_COUNT_KEY.update(tiny_dsv41.HEAD_COUNT_KEY)
 
 
 def _config_for(family: str, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict]:
@@ -163,6 +165,10 @@ def _config_for(family: str, overrides: dict[str, Any]) -> tuple[dict[str, Any],
         text = copy.deepcopy(tiny_swa.CONFIGS[family])
         text.update(overrides)
         tiny_swa.fit_layers(family, text)
+        return text, text
+    if family in tiny_dsv41.CONFIGS:  # flat config
+        text = copy.deepcopy(tiny_dsv41.CONFIGS[family])
+        text.update(overrides)
         return text, text
     if family in tiny_linear.CONFIGS:  # flat configs
         text = copy.deepcopy(tiny_linear.CONFIGS[family])
@@ -275,6 +281,8 @@ def _builder(family: str) -> Any:
         return tiny_nemotron.BUILDERS[family]
     if family in tiny_swa.BUILDERS:
         return tiny_swa.BUILDERS[family]
+    if family in tiny_dsv41.BUILDERS:
+        return tiny_dsv41.BUILDERS[family]
     if family in tiny_linear.BUILDERS:
         return tiny_linear.BUILDERS[family]
     if family in tiny_dsa.BUILDERS:

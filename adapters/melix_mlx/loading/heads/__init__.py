@@ -37,7 +37,10 @@ the families' ``from_hf`` share live in ``mapping``.
 Multi-layer checkpoints load as ``stacked.StackedHead`` (one single-layer head per trained
 layer): its ``__call__`` and ``make_cache`` are layer 0's, and ``chain_step(i, hidden,
 tokens)`` runs draft step i >= 1 on layer ``min(i, N - 1)``; the engine calls
-``chain_step`` when a head has one.
+``chain_step`` when a head has one. A block drafter (deepseek_v41's DSpark) is one head over
+all its stages (its module sets ``STAGES_FORM_ONE_HEAD``): ``logits`` at the slot drafted
+from runs the block pass, ``chain_step(i, ...)`` serves draft i from that block; it reads
+intermediate trunk layers through ``runtime.hidden``'s declared taps.
 
 The embedding and (except DeepSeek's own ``shared_head.head``) the lm_head are the main
 model's modules, held by reference, outside ``head.parameters()``.
@@ -56,6 +59,7 @@ from . import (
     bailing_moe_v3,
     deepseek_v3,
     deepseek_v32,
+    deepseek_v41,
     ernie4_5_moe,
     exaone_moe,
     glm4_moe,
@@ -90,6 +94,7 @@ FAMILY_MODULES: dict[str, ModuleType] = {
     "ernie4_5_moe": ernie4_5_moe,
     "longcat_flash": longcat_flash,
     "nemotron_h": nemotron_h,
+    "deepseek_v41": deepseek_v41,
 }
 
 HEAD_CLASSES: dict[str, type[MTPHeadBase]] = {name: module.MTPHead for name, module in FAMILY_MODULES.items()}
