@@ -11,22 +11,33 @@ Rules of this file:
   confirmed tokens, bit for bit, and nothing was replayed.
 - `four_bit_identity`: a 4-bit conversion keeps the head and greedy identity, with
   rollbacks (the scripted head's wrong drafts) exercised.
+- `hf_layout_admitted`: the checkpoint holds the family's head tensors under their
+  published names, mlx-lm's own loader reads it and the project loader gives the same
+  logits bit for bit, the head is the family's own single-layer module, and the receipt
+  admits the family with its own head module under every serving context given.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+import mlx_lm
 import pytest
 from decode_refs import mtp, reference
 from melix_mlx.batch_generator import MTPBatchGenerator
-from melix_mlx.loading import load_with_heads
+from melix_mlx.loading import load_with_heads, safetensors_keys
 from melix_mlx.loading.convert import convert
-from melix_mlx.runtime.hidden import main_parts
+from melix_mlx.loading.heads import HEAD_CLASSES
+from melix_mlx.runtime.hidden import forward_with_hidden, main_parts
 from melix_mlx.tools.tiny_tokenizer import VOCAB_SIZE
+from mlx_lm.models.cache import make_prompt_cache
 from scripted_head import ScriptedHead
 from test_decode_rollback import CYCLES, PROMPT, clean_cache, max_diff, run_cycles
+
+from melix_fsm.receipt import Receipt, ServingContext, resolve
 
 
 def batched_identity(
@@ -84,3 +95,27 @@ def four_bit_identity(path: Path, family: str, tmp_path: Path, prompts: list[lis
             assert got == want and decoder.stats["accepted"] > 0
             rollbacks += decoder.stats["rollbacks"]
     assert rollbacks > 0  # the scripted head's wrong drafts were rolled back
+
+
+def hf_layout_admitted(
+    loaded: tuple,
+    family: str,
+    head_keys: Iterable[str],
+    prompt: list[int],
+    contexts: tuple[ServingContext, ...] = (ServingContext(),),
+) -> list[Receipt]:
+    """`loaded` is (path, model, tokenizer, head, info). Returns the receipts (one per
+    context), for a family's own further assertions."""
+    path, model, _, head, info = loaded
+    keys = {k for f in Path(path).glob("*.safetensors") for k in safetensors_keys(f)}
+    assert set(head_keys) <= keys, sorted(set(head_keys) - keys)
+    upstream, _ = mlx_lm.load(str(path))
+    x = mx.array([prompt])
+    logits, _ = forward_with_hidden(model, x, make_prompt_cache(model))
+    assert mx.array_equal(upstream(x), logits)
+    assert type(head) is HEAD_CLASSES[family] and info.family == family and info.head_layers == 1
+    receipts = [resolve(path, context=context) for context in contexts]
+    for receipt in receipts:
+        assert receipt.mode == "accepted", receipt.message
+        assert (receipt.family, receipt.head_module) == (family, family)
+    return receipts

@@ -25,11 +25,9 @@ from pathlib import Path
 
 import family_checks
 import mlx.core as mx
-import mlx_lm
 import pytest
 from decode_refs import mtp, reference
-from melix_mlx.loading import load_with_heads, safetensors_keys
-from melix_mlx.loading.heads import HEAD_CLASSES
+from melix_mlx.loading import load_with_heads
 from melix_mlx.runtime.hidden import forward_with_hidden
 from melix_mlx.tools.tiny_ernie_longcat import FAMILIES
 from melix_mlx.tools.tiny_tokenizer import VOCAB_SIZE
@@ -75,17 +73,8 @@ def loaded(tiny_checkpoint) -> dict[str, tuple]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_layout_loads_with_mlx_lm_and_is_admitted(loaded, family):
-    path, model, _, head, info = loaded[family]
-    keys = {k for f in Path(path).glob("*.safetensors") for k in safetensors_keys(f)}
-    assert set(HF_HEAD_KEYS[family]) <= keys
-    upstream, _ = mlx_lm.load(str(path))
-    x = mx.array([PROMPTS[2]])
-    logits, _ = forward_with_hidden(model, x, make_prompt_cache(model))
-    assert mx.array_equal(upstream(x), logits)
-    assert type(head) is HEAD_CLASSES[family] and info.family == family and info.head_layers == 1
-    receipt = resolve(path)
-    assert receipt.mode == "accepted", receipt.message
-    assert (receipt.family, receipt.head_module) == (family, family)
+    path, model = loaded[family][:2]
+    family_checks.hf_layout_admitted(loaded[family], family, HF_HEAD_KEYS[family], PROMPTS[2])
     if family == "longcat_flash":
         assert "num_nextn_predict_layers" not in json.loads((path / "config.json").read_text())
         assert all(isinstance(c, CacheList) for c in make_prompt_cache(model))

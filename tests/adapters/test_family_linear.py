@@ -39,8 +39,8 @@ import mlx_lm
 import pytest
 from decode_refs import mtp, reference
 from melix_mlx.decode import MTPDecoder
-from melix_mlx.loading import load_with_heads, safetensors_keys
-from melix_mlx.loading.heads import HEAD_CLASSES, bailing_moe_v3
+from melix_mlx.loading import load_with_heads
+from melix_mlx.loading.heads import bailing_moe_v3
 from melix_mlx.runtime.hidden import forward_with_hidden, main_parts
 from melix_mlx.runtime.sampling import make_sampler, normalize_logits, params_of, probabilities
 from melix_mlx.tools.tiny_linear import FAMILIES
@@ -91,18 +91,9 @@ def loaded(tiny_checkpoint) -> dict[str, tuple]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_layout_loads_with_mlx_lm_and_is_admitted(loaded, family):
-    path, model, _, head, info = loaded[family]
-    keys = {k for f in Path(path).glob("*.safetensors") for k in safetensors_keys(f)}
-    assert set(HF_HEAD_KEYS[family]) <= keys
-    upstream, _ = mlx_lm.load(str(path))
-    x = mx.array([PROMPTS[2]])
-    logits, _ = forward_with_hidden(model, x, make_prompt_cache(model))
-    assert mx.array_equal(upstream(x), logits)
-    assert type(head) is HEAD_CLASSES[family] and info.family == family and info.head_layers == 1
+    model = loaded[family][1]
+    family_checks.hf_layout_admitted(loaded[family], family, HF_HEAD_KEYS[family], PROMPTS[2])
     assert [type(c) for c in make_prompt_cache(model)] == [ArraysCache, mlx_lm.models.cache.KVCache] * 2
-    receipt = resolve(path)
-    assert receipt.mode == "accepted", receipt.message
-    assert (receipt.family, receipt.head_module) == (family, family)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

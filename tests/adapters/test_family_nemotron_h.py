@@ -32,14 +32,13 @@ from pathlib import Path
 
 import family_checks
 import mlx.core as mx
-import mlx_lm
 import pytest
 from decode_refs import mtp, reference
 from melix_mlx.batch_generator import MTPBatchGenerator
-from melix_mlx.loading import load_with_heads, safetensors_keys
+from melix_mlx.loading import load_with_heads
 from melix_mlx.loading.convert import convert
 from melix_mlx.loading.errors import HeadShapeMismatch, UnsupportedModel
-from melix_mlx.loading.heads import HEAD_CLASSES, nemotron_h
+from melix_mlx.loading.heads import nemotron_h
 from melix_mlx.runtime.hidden import forward_with_hidden, main_parts
 from melix_mlx.tools.tiny import make_tiny
 from melix_mlx.tools.tiny_tokenizer import VOCAB_SIZE
@@ -76,20 +75,11 @@ def loaded(tiny_checkpoint) -> tuple:
 
 
 def test_hf_layout_loads_with_mlx_lm_and_is_admitted(loaded):
-    path, model, _, head, info = loaded
-    keys = {k for f in Path(path).glob("*.safetensors") for k in safetensors_keys(f)}
-    assert set(HF_HEAD_KEYS) <= keys
-    upstream, _ = mlx_lm.load(str(path))
-    x = mx.array([PROMPTS[2]])
-    logits, _ = forward_with_hidden(model, x, make_prompt_cache(model))
-    assert mx.array_equal(upstream(x), logits)
-    assert type(head) is HEAD_CLASSES[FAMILY] and info.family == FAMILY and info.head_layers == 1
+    _, model, _, head, _ = loaded
+    family_checks.hf_layout_admitted(loaded, FAMILY, HF_HEAD_KEYS, PROMPTS[2])
     assert [layer.block_type for layer in head.layers] == ["*", "E"]
     assert [type(c) for c in head.make_cache()] == [KVCache]
     assert {type(c) for c in make_prompt_cache(model)} == {ArraysCache, KVCache}
-    receipt = resolve(path)
-    assert receipt.mode == "accepted", receipt.message
-    assert (receipt.family, receipt.head_module) == (FAMILY, FAMILY)
 
 
 # -- the reference forward -------------------------------------------------------------------

@@ -37,12 +37,10 @@ from typing import Any
 import family_checks
 import mlx.core as mx
 import mlx.nn as nn
-import mlx_lm
 import pytest
 from decode_refs import mtp, reference
 from melix_mlx.batch_generator import MTPBatchGenerator
-from melix_mlx.loading import load_with_heads, safetensors_keys
-from melix_mlx.loading.heads import HEAD_CLASSES
+from melix_mlx.loading import load_with_heads
 from melix_mlx.runtime import rollback
 from melix_mlx.runtime.hidden import forward_with_hidden, main_parts
 from melix_mlx.runtime.window_kv import WindowedKVCache
@@ -101,19 +99,11 @@ def loaded(tiny_checkpoint) -> dict[str, tuple]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_layout_loads_with_mlx_lm_and_is_admitted(loaded, family):
-    path, model, _, head, info = loaded[family]
-    keys = {k for f in Path(path).glob("*.safetensors") for k in safetensors_keys(f)}
-    assert set(HF_HEAD_KEYS[family]) <= keys
-    upstream, _ = mlx_lm.load(str(path))
-    x = mx.array([LONG])
-    logits, _ = forward_with_hidden(model, x, make_prompt_cache(model))
-    assert mx.array_equal(upstream(x), logits)
+    path, model = loaded[family][:2]
+    contexts = (ServingContext(), ServingContext(batched=True))
+    receipts = family_checks.hf_layout_admitted(loaded[family], family, HF_HEAD_KEYS[family], LONG, contexts)
     assert {type(c) for c in make_prompt_cache(model)} == {KVCache, RotatingKVCache}
-    assert type(head) is HEAD_CLASSES[family] and info.family == family and info.head_layers == 1
-    for context in (ServingContext(), ServingContext(batched=True)):
-        receipt = resolve(path, context=context)
-        assert receipt.mode == "accepted", receipt.message
-        assert (receipt.family, receipt.head_module) == (family, family)
+    for receipt in receipts:
         assert {(p.kind, p.strategy) for p in receipt.caches} == {
             ("kv", "trim"),
             ("rotating", "window_spare"),
