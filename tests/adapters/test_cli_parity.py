@@ -35,6 +35,7 @@ SAMPLING = {"temp", "top_p", "seed"}  # make_sampler / mx.random.seed, as mlx-lm
 DISTRIBUTED = {"sharding"}  # melix_mlx.runtime.distributed.load_sharded(model_dir, sharding, ...)
 CLI_ONLY = {"help", "model", "prompt", "prompts_file", "json", "receipt", "stagger", "run"}
 LOADING = {"mtp_sidecar": "sidecar"}  # CLI dest -> load_with_heads keyword
+VISION = {"vision": "load_vlm", "image": "prepare"}  # CLI dest -> melix_mlx.vlm's call (extra vlm)
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:
@@ -62,10 +63,14 @@ def test_every_receipt_option_is_a_generate_option() -> None:
 
 def test_every_setting_has_an_api_keyword() -> None:
     dests = {a.dest for name in ("generate", "receipt") for a in _subparser(name)._actions}
-    dests -= {"model_dir", "schema"}
+    dests -= {"model_dir", "schema", *VISION}
     unmapped = dests - SPECULATIVE - SERVING - DECODE - SAMPLING - DISTRIBUTED - CLI_ONLY - set(LOADING)
     assert not unmapped, f"options with no API keyword in this test's map: {unmapped}"
     assert set(inspect.signature(load_with_heads).parameters) >= set(LOADING.values())
+    import melix_mlx.vlm as vlm  # importable without mlx-vlm (it loads inside load_vlm)
+
+    assert all(callable(getattr(vlm, name)) for name in VISION.values())
+    assert "images" in inspect.signature(vlm.prepare).parameters
     from melix_mlx.runtime.distributed import load_sharded
 
     assert set(inspect.signature(load_sharded).parameters) >= DISTRIBUTED
