@@ -464,3 +464,28 @@ def test_dspark_accepted_chains_and_exact_rollback(dspark) -> None:
     for c, d in zip(decoder.head_cache, clean_head, strict=True):
         assert c.offset == d.offset == len(text)
         assert mx.abs(c.keys[..., : c.offset, :] - d.keys[..., : d.offset, :]).max().item() <= TOLERANCE
+
+
+def test_dspark_converted_and_4bit(dspark, tiny_checkpoint, tmp_path) -> None:
+    """The converted head (dspark_config carried along) drafts exactly as the raw one; on
+    4-bit weights greedy decoding with it still equals mlx-lm."""
+    from melix_mlx.loading import load_with_heads
+    from melix_mlx.loading.convert import convert
+    from melix_mlx.runtime.hidden import forward_with_hidden
+
+    model, head, _, _ = dspark
+    x = mx.array([DSPARK_PROMPT])
+    converted = load_with_heads(convert(tiny_checkpoint("deepseek_v41"), tmp_path / "float"))
+    assert converted.info.head_format == "melix" and converted.info.head_layers == 1
+    outs = []
+    for m, h in ((model, head), (converted.model, converted.head)):
+        _, hidden = forward_with_hidden(m, x, m.make_cache())
+        outs.append(h.logits(h.trunk(hidden[:, :-1], x[:, 1:], h.make_cache())[:, -1:]))
+    assert mx.array_equal(outs[0], outs[1]).item()
+    q_model, _, q_head, info = load_with_heads(
+        convert(tiny_checkpoint("deepseek_v41"), tmp_path / "q4", quantize=True)
+    )
+    assert info.main_quantized and info.refusal is None
+    want = reference(q_model, DSPARK_PROMPT, 8)
+    got, decoder = mtp(q_model, q_head, DSPARK_PROMPT, 8, 2)
+    assert got == want and decoder.stats["cycles"] > 0
