@@ -246,7 +246,7 @@ def tokenize(generator: Any, tokenizer: Any, request: Any, args: Any) -> tuple |
                        "--vision)", param="messages", code="images_unsupported")  # fmt: skip
     options = vision.options
     if len(parts) > options.max_images:
-        raise ApiError(400, f"a request may hold at most {options.max_images} images", param="messages",
+        raise ApiError(400, f"images per request: at most {options.max_images}", param="messages",
                        code="too_many_images")  # fmt: skip
     images = [decode_image(image_bytes(_url(p), options), options) for p in parts]
     messages = _as_text(request.messages, vision.placeholder)
