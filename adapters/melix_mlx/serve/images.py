@@ -53,13 +53,6 @@ class VisionOptions:
     max_image_pixels: int = 4096 * 4096  # pixels of one decoded image
     allow_remote: bool = False  # fetch http(s) image urls
 
-    def problems(self) -> list[str]:
-        out = []
-        for name in ("max_images", "max_image_bytes", "max_image_pixels"):
-            if getattr(self, name) < 1:
-                out.append(f"--{name.replace('_', '-')} must be >= 1")
-        return out
-
 
 @dataclass(frozen=True)
 class VisionServing:
@@ -86,7 +79,6 @@ class ImagePrompt(list):
 
     pixel_values: np.ndarray
     grid: np.ndarray | None
-    images: int
 
 
 # -- loading ---------------------------------------------------------------------------
@@ -262,7 +254,6 @@ def tokenize(generator: Any, tokenizer: Any, request: Any, args: Any) -> tuple |
     prompt.pixel_values = np.array(inputs["pixel_values"])
     grid = inputs.get("image_grid_thw")
     prompt.grid = None if grid is None else np.array(grid)
-    prompt.images = len(images)
     return prompt, [prompt], ["assistant"], _initial_state(tokenizer, prompt), None
 
 
