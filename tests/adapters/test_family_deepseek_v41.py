@@ -489,3 +489,15 @@ def test_dspark_converted_and_4bit(dspark, tiny_checkpoint, tmp_path) -> None:
     want = reference(q_model, DSPARK_PROMPT, 8)
     got, decoder = mtp(q_model, q_head, DSPARK_PROMPT, 8, 2)
     assert got == want and decoder.stats["cycles"] > 0
+
+
+def test_dspark_under_the_controlled_draft_source(dspark) -> None:
+    """The efficiency bench's source wraps the drafter's chain steps too: at p = 1 every
+    draft of every full cycle is accepted, and the output is mlx-lm's."""
+    from melix_mlx.tools.controlled_draft import ControlledDraft
+
+    model, head, _, _ = dspark
+    want = reference(model, DSPARK_PROMPT, DSPARK_N)
+    source = ControlledDraft(head, [DSPARK_PROMPT + want], head.markov_head.head.weight.shape[0], 1.0)
+    got, decoder = mtp(model, source, DSPARK_PROMPT, DSPARK_N, 3)
+    assert got == want and decoder.stats["accepted"] >= DSPARK_N - 4

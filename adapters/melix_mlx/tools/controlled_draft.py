@@ -20,6 +20,9 @@ Rules of this module:
 - The table is keyed by (position, fed token). Rows of a batch whose scripts share a
   token at the same position with different continuations collide (a later script's
   entry wins); the benches report the acceptance they measured, not p.
+- A head that drafts steps >= 1 through ``chain_step`` (deepseek_v41's block drafter: its
+  hidden is a per-slot seed ``(position, token)``) is wrapped there too: the head's own
+  chain step runs (its cost paid), and draft step i reads the table at the seed's slot + i.
 - Greedy identity holds whatever the proposals: the verify decides every emitted token.
 """
 
@@ -58,6 +61,29 @@ class ControlledDraft:
     def make_cache(self) -> list[Any]:
         return [*self.head.make_cache(), KVCache()]
 
+    @property
+    def chain_step(self) -> Any:
+        """The wrapped head's chain step, controlled; None for a head that chains whole."""
+        return self._chain_step if getattr(self.head, "chain_step", None) is not None else None
+
+    def _chain_step(self, step: int, hidden: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
+        real, out = self.head.chain_step(step, hidden, tokens)
+        B = tokens.shape[0]
+        positions = hidden[:, -1:, 0].astype(mx.int32) + step  # the seed's slot, then one per step
+        return self._proposal(positions, tokens.reshape(B, 1), real), out
+
+    def _proposal(self, positions: mx.array, tokens: mx.array, real: mx.array) -> mx.array:
+        """One-hot logits [B, L, V] of the right token (probability p) or a wrong one."""
+        B, L = tokens.shape
+        right = self.right_tokens(mx.broadcast_to(positions, (B, L)), tokens)
+        key = mx.random.key(self.seed * 1_000_003 + self.calls)
+        self.calls += 1
+        take = mx.random.uniform(shape=(B, L), key=key) < self.p
+        want = mx.where(take, right, (right + 1) % self.vocab_size)
+        onehot = (want[..., None] == mx.arange(self.vocab_size)).astype(mx.float32)
+        # the real projection stays in the graph, so its cost is paid as a trained head's
+        return onehot * 100.0 + 0.0 * real[:, -1:].astype(mx.float32)
+
     def right_tokens(self, positions: mx.array, tokens: mx.array) -> mx.array:
         """The target's greedy token after (position, fed token) slots; 0 where the run ended."""
         inside = positions < self.positions
@@ -82,11 +108,4 @@ class ControlledDraft:
         where.update_and_fetch(mx.zeros((B, 1, L, 1)), mx.zeros((B, 1, L, 1)))
         start = mx.array(before).reshape(-1, 1) if not isinstance(before, mx.array) else before.reshape(-1, 1)
         positions = start + mx.arange(L)[None]  # [B or 1, L]: the slots' entry indices
-        right = self.right_tokens(mx.broadcast_to(positions, (B, L)), next_tokens)
-        key = mx.random.key(self.seed * 1_000_003 + self.calls)
-        self.calls += 1
-        take = mx.random.uniform(shape=(B, L), key=key) < self.p
-        want = mx.where(take, right, (right + 1) % self.vocab_size)
-        onehot = (want[..., None] == mx.arange(self.vocab_size)).astype(mx.float32)
-        # the real projection stays in the graph, so its cost is paid as a trained head's
-        return onehot * 100.0 + 0.0 * real[:, -1:].astype(mx.float32), head_hidden
+        return self._proposal(positions, next_tokens, real), head_hidden
