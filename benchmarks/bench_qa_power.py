@@ -2,7 +2,7 @@
 
 Rules of this script:
 - A script, not a test: `python benchmarks/bench_qa_power.py [--model stdlib-tiny]
-  [--dtype float32|bfloat16] [--seeds 0 1 2 3 4] [--conditions ...] [--out FILE]`.
+  [--dtype float32|bfloat16] [--seeds 0 1 2 3 4] [--conditions ...] [--out FILE [--append]]`.
   `--dtype` casts the model (the draws and the target's probabilities both come from
   the cast model, as in `melix-fsm qa --dtype`); a `melix-fsm convert -q` directory as
   `--model` measures 4-bit weights. The continuations are drawn from
@@ -20,8 +20,10 @@ Rules of this script:
   `check_distribution` at alpha 1e-3, T = 1, 4 positions. Quick uses the first 2000 of
   the deep run's 8000 draws (the same draws a 2000-draw run would get in law).
 - Prints one line per (condition, profile) with detections / seeds, and writes every
-  run's p-values as JSON (`--out`, with the date, mlx version, dtype and weights), so
-  docs quote measured numbers only.
+  run's p-values as JSON (`--out`, with the date, mlx version, dtype and weights, after
+  every run so a cut run keeps what it measured), so docs quote measured numbers only.
+  `--append` keeps the file's runs of other conditions (the same model, dtype and
+  weights only): one condition per process keeps each run short on a busy machine.
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--conditions", nargs="+", default=list(CONDITIONS), choices=CONDITIONS)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--append", action="store_true", help="keep --out's runs of other conditions")
     args = parser.parse_args()
     directory = resolve_model(args.model)
     model, _ = load(str(directory))
@@ -115,20 +118,18 @@ def main() -> None:
     began = time.perf_counter()
     reference = mlx_greedy_reference(model, min_tokens=8)
     probs = target_probabilities(model, T)
-    runs = []
-    for condition in args.conditions:
-        tic = time.perf_counter()
-        for seed in args.seeds:
-            runs.append(one_run(model, reference, probs, condition, seed))
-        mine = [r for r in runs if r["condition"] == condition]
-        for profile in PROFILES:
-            hits = sum(r[profile]["detected"] for r in mine)
-            print(
-                f"{condition:9s} {profile:5s} ({PROFILES[profile]} draws): detected {hits}/{len(mine)} "
-                f"(seeds {args.seeds}; {time.perf_counter() - tic:.0f} s for the condition)",
-                flush=True,
-            )
-    if args.out is not None:
+    runs: list[dict[str, Any]] = []
+    kept: list[dict[str, Any]] = []
+    if args.append and args.out is not None and args.out.exists():
+        old = json.loads(args.out.read_text())
+        same = (old.get("model"), old.get("dtype"), old.get("weights"))
+        if same != (args.model, args.dtype or "as stored", weights):
+            parser.error(f"--append: {args.out} holds {same}, not this model, dtype and weights")
+        kept = [r for r in old["runs"] if r["condition"] not in args.conditions]
+
+    def save() -> None:  # after every condition, so a run cut short keeps what it measured
+        if args.out is None:
+            return
         meta = {
             "model": args.model,
             "dtype": args.dtype or "as stored",
@@ -138,7 +139,21 @@ def main() -> None:
             "mlx": version("mlx"),
             "seconds": round(time.perf_counter() - began),
         }
-        args.out.write_text(json.dumps({**meta, "runs": runs}, indent=1))
+        args.out.write_text(json.dumps({**meta, "runs": kept + runs}, indent=1))
+
+    for condition in args.conditions:
+        tic = time.perf_counter()
+        for seed in args.seeds:
+            runs.append(one_run(model, reference, probs, condition, seed))
+            save()
+        mine = [r for r in runs if r["condition"] == condition]
+        for profile in PROFILES:
+            hits = sum(r[profile]["detected"] for r in mine)
+            print(
+                f"{condition:9s} {profile:5s} ({PROFILES[profile]} draws): detected {hits}/{len(mine)} "
+                f"(seeds {args.seeds}; {time.perf_counter() - tic:.0f} s for the condition)",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
