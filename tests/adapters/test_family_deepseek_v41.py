@@ -501,3 +501,16 @@ def test_dspark_under_the_controlled_draft_source(dspark) -> None:
     source = ControlledDraft(head, [DSPARK_PROMPT + want], head.markov_head.head.weight.shape[0], 1.0)
     got, decoder = mtp(model, source, DSPARK_PROMPT, DSPARK_N, 3)
     assert got == want and decoder.stats["accepted"] >= DSPARK_N - 4
+
+
+def test_dspark_calibrates(dspark) -> None:
+    """The device policy's calibration prices its forwards on the spare layer caches (a
+    plain LayerCache cannot be rolled back between timed runs)."""
+    from melix_mlx.runtime.calibrate import calibrate
+
+    from melix_fsm.policy.cost_model import TimingTable
+
+    model, head, _, _ = dspark
+    table = calibrate(model, head, k=2, runs=3, warmup=1)
+    assert isinstance(table, TimingTable), table
+    assert table.entries[0].t_head > 0 and table.entries[0].t_verify > 0

@@ -39,7 +39,7 @@ from melix_fsm.policy.calibration import (
 from melix_fsm.policy.cost_model import Timings, TimingTable
 from melix_fsm.policy.errors import CalibrationError
 
-from . import absorbed_mla, capture, rollback
+from . import absorbed_mla, capture, layer_kv, rollback
 from .hidden import forward_with_hidden
 
 Forward = Callable[[], None]
@@ -66,6 +66,7 @@ def build_forwards(
     prompt = mx.broadcast_to(mx.arange(1, prompt_len + 1)[None], (B, prompt_len))
     cache = make_prompt_cache(model) if cache is None else cache
     _, hidden = forward_with_hidden(model, prompt, cache)
+    layer_kv.adopt(cache, model)  # DeepSeek-V4.1's layer caches roll back in their spare form, as decoding's
     mx.eval(hidden, [c.state for c in rollback.leaves(cache)])
     start = rollback.mark(cache)
 
