@@ -80,3 +80,11 @@ def test_qa_batch_stops_removes_and_finishes_once():
     assert tokens[uids[1]] == expected[1]
     assert [x for x in reasons[uids[0]] if x] == ["stop"] and reasons[uids[0]][-1] == "stop"
     assert [x for x in reasons[uids[1]] if x] == ["length"] and reasons[uids[1]][-1] == "length"
+
+
+def test_bench_peer_runs_in_one_regime(tmp_path):
+    from melix_fsm.cli import main
+
+    argv = ["bench", "--peer", "mlx-vlm", "--model", "stdlib-hybrid", "--regime", "both"]
+    argv += ["--out", str(tmp_path)]
+    assert main(argv) == 2  # refused before any worker starts: the peers run in one regime

@@ -13,6 +13,9 @@ Rules of this module:
   OUT is --out, else the cache directory's bench/ (melix_fsm.commands.paths), never the
   working directory. The last line names it.
 - Progress on stderr (melix_fsm.commands.progress): a bar on a terminal, plain lines in a log.
+- `--peer mlx-vlm` (or NAME=CHECKOUT, repeatable) runs the peers' comparison instead
+  (melix_mlx.tools.peer_bench: one worker per contender, interleaved rounds, identity, the
+  ideal) in one regime, in this process's re-execution, to OUT/peers-<regime>.json/.md.
 - mlx is imported inside `run` only. Exit 0 ok, 2 usage error, 3 the model refused MTP.
 """
 
@@ -78,6 +81,21 @@ def register(subparsers: Any) -> None:
         default=None,
         help="your own prompts: a JSON list of strings or blank-line-separated blocks "
         "(default: held-out text per workload: code, prose, structured)",
+    )
+    p.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="compare with a peer instead (repeatable): mlx-vlm (the installed mlx-vlm's MTP at each k and "
+        "its plain decode) or NAME=CHECKOUT (an mlx_lm fork); single and batch cells, identity, the ideal; "
+        "results OUT/peers-<regime>.json and .md (melix_mlx.tools.peer_bench)",
+    )
+    p.add_argument(
+        "--peer-clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="with --peer: decode windows on the wall clock or each worker's CPU clock (a shared machine)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress on stderr")
     p.add_argument("--tag", default=None, help=argparse.SUPPRESS)  # set by the parent for its children
@@ -158,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
 
         args.out = default_output("bench")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.peer:
+        return _peers(args)
     from melix_mlx.tools.bench_report import markdown, plot, table
 
     failed: list[int] = []
@@ -184,6 +204,29 @@ def run(args: argparse.Namespace) -> int:
     print(f"plot: {plot(results, args.out / 'bench.png')}")
     print(f"results: {args.out}")
     return failed[0] if failed else 0
+
+
+def _peers(args: argparse.Namespace) -> int:
+    """`--peer`: the peers' comparison (melix_mlx.tools.peer_bench) in one regime, here."""
+    from melix_mlx.tools.peer_bench import markdown, run, write
+
+    if args.regime == "both":
+        print("melix-fsm bench: error: --peer runs in one regime, not both", file=sys.stderr)
+        return 2
+    if args.regime != "current":
+        reexec_in_regime(args.regime)  # the BLAS is chosen before mlx loads, in every worker too
+    options = argparse.Namespace(
+        peer=args.peer, peer_python=None, model=args.model, batch_sizes=args.batch_sizes, ks=args.ks,
+        rounds=args.repeats, max_tokens=args.max_tokens, prompt_chars=400, cells=["single", "batch"],
+        clock=args.peer_clock, ideal=True, profile=False, command=["melix-fsm", *sys.argv[1:]],
+    )  # fmt: skip
+    result = run(options)
+    tag = "openblas" if OPENBLAS in os.environ.get("LD_PRELOAD", "") else "reference"
+    write(result, args.out / f"peers-{tag}.json")
+    (args.out / f"peers-{tag}.md").write_text(markdown(result) + "\n")
+    print(markdown(result))
+    print(f"results: {args.out}")
+    return 0
 
 
 def _run_here(args: argparse.Namespace) -> dict[str, Any] | int:
