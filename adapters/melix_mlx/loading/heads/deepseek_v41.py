@@ -39,7 +39,9 @@ How it runs here (one head, ``STAGES_FORM_ONE_HEAD``: the loader reads the stage
   pass at those slots only (the engine projects only the slot it drafts from) and returns
   draft 0's logits. ``chain_step(i, seeds, draft_{i-1})`` serves draft i from the block of
   the same seeds (computed again at step 1 from the rolled-back head cache, kept for the
-  cycle's later steps), with the Markov bias of the draft actually drawn. Beyond the
+  cycle's later steps: the engine hands chain steps the seeds, not the block, so a cycle
+  at k >= 2 runs the block pass twice; nothing is carried between calls that an undone
+  step could leave stale), with the Markov bias of the draft actually drawn. Beyond the
   block (i >= B) the last block position is reused.
 - Depth is the controller's fixed k per cycle; the confidence head is loaded but gates
   nothing: gating would need the engine to read it before choosing k. Exactness does not
