@@ -4,6 +4,8 @@ Rules of this file:
 - Each check takes a loaded model and head (and the file's prompts) and asserts one
   property against mlx-lm's own greedy decode; the family files parametrize over their
   families and call these, so a property reads the same for every family.
+- `greedy_identity_single`: one sequence at a time (the second prompt under a repetition
+  penalty) equals mlx-lm's greedy output, with no fault or refusal and cycles run.
 - `batched_identity`: MTPBatchGenerator rows at k = 1, 2, 3 in one batch, a row removed
   mid-run (its tokens stay a prefix), a late joiner; every row equals mlx-lm's greedy.
 - `rollback_equals_clean_run`: after rejecting cycles (a scripted head wrong every third
@@ -34,10 +36,25 @@ from melix_mlx.loading.heads import HEAD_CLASSES
 from melix_mlx.runtime.hidden import forward_with_hidden, main_parts
 from melix_mlx.tools.tiny_tokenizer import VOCAB_SIZE
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors
 from scripted_head import ScriptedHead
 from test_decode_rollback import CYCLES, PROMPT, clean_cache, max_diff, run_cycles
 
 from melix_fsm.receipt import Receipt, ServingContext, resolve
+
+
+def greedy_identity_single(model: Any, head: Any, prompts: list[list[int]], n: int, k: int) -> list[Any]:
+    """Returns each prompt's decoder, for a family's own further assertions."""
+    decoders = []
+    for i, prompt in enumerate(prompts):
+        procs = make_logits_processors(repetition_penalty=1.3) if i == 1 else None
+        want = reference(model, prompt, n, logits_processors=procs)
+        got, decoder = mtp(model, head, prompt, n, k, logits_processors=procs)
+        assert got == want, (k, i)
+        assert decoder.stats["faults"] == 0 and decoder.stats["refusal"] is None
+        assert decoder.stats["cycles"] > 0
+        decoders.append(decoder)
+    return decoders
 
 
 def batched_identity(

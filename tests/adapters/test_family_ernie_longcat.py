@@ -32,7 +32,6 @@ from melix_mlx.runtime.hidden import forward_with_hidden
 from melix_mlx.tools.tiny_ernie_longcat import FAMILIES
 from melix_mlx.tools.tiny_tokenizer import VOCAB_SIZE
 from mlx_lm.models.cache import CacheList, make_prompt_cache
-from mlx_lm.sample_utils import make_logits_processors
 from scripted_head import ScriptedHead
 
 from melix_fsm.reasons import RefusalReason
@@ -196,13 +195,7 @@ def test_head_forward_matches_the_published_architecture(loaded, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_identity_single(loaded, family, k):
     _, model, _, head, _ = loaded[family]
-    for i, prompt in enumerate(PROMPTS):
-        procs = make_logits_processors(repetition_penalty=1.3) if i == 1 else None
-        want = reference(model, prompt, N, logits_processors=procs)
-        got, decoder = mtp(model, head, prompt, N, k, logits_processors=procs)
-        assert got == want, (family, k, i)
-        assert decoder.stats["faults"] == 0 and decoder.stats["refusal"] is None
-        assert decoder.stats["cycles"] > 0
+    family_checks.greedy_identity_single(model, head, PROMPTS, N, k)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

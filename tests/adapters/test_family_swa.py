@@ -47,7 +47,6 @@ from melix_mlx.runtime.window_kv import WindowedKVCache
 from melix_mlx.tools.tiny_swa import FAMILIES, WINDOW
 from melix_mlx.tools.tiny_tokenizer import VOCAB_SIZE
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
-from mlx_lm.sample_utils import make_logits_processors
 from scripted_head import ScriptedHead
 from test_decode_rollback import CYCLES, PROMPT, clean_cache, run_cycles
 
@@ -268,13 +267,7 @@ def test_head_forward_matches_the_published_architecture(loaded, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_identity_single(loaded, family, k):
     _, model, _, head, _ = loaded[family]
-    for i, prompt in enumerate(PROMPTS):
-        procs = make_logits_processors(repetition_penalty=1.3) if i == 1 else None
-        want = reference(model, prompt, N, logits_processors=procs)
-        got, decoder = mtp(model, head, prompt, N, k, logits_processors=procs)
-        assert got == want, (family, k, i)
-        assert decoder.stats["faults"] == 0 and decoder.stats["refusal"] is None
-        assert decoder.stats["cycles"] > 0
+    for decoder in family_checks.greedy_identity_single(model, head, PROMPTS, N, k):
         assert any(isinstance(c, WindowedKVCache) for c in decoder.cache)
 
 
