@@ -29,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.exaone_moe import DecoderLayer
 
+from . import mapping
 from .trunk import FusedTrunkHead
 
 _PREFIX = "mtp."
@@ -58,15 +59,4 @@ def is_head_key(key: str, config: dict[str, Any]) -> bool:
 
 def from_hf(raw: dict[str, mx.array], config: dict[str, Any], layer: int = 0) -> dict:
     """Map raw HF head tensors of MTP layer ``layer`` to ``MTPHead`` parameter names."""
-    out: dict[str, mx.array] = {}
-    for key, value in raw.items():
-        if not key.startswith(_PREFIX) or "rotary_emb.inv_freq" in key:
-            continue
-        name = key[len(_PREFIX) :]
-        if name.startswith("layers."):
-            idx, _, rest = name[len("layers.") :].partition(".")
-            if int(idx) != layer:
-                continue  # one MTP layer per head module
-            name = f"layers.0.{rest}"
-        out[name] = value
-    return out
+    return mapping.module_layer_tensors(raw, (_PREFIX,), layer, drop=(mapping.ROPE_TABLE,))

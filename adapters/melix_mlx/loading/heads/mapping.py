@@ -65,6 +65,27 @@ def layer_tensors(
     return out
 
 
+def module_layer_tensors(
+    raw: dict[str, mx.array], prefixes: tuple[str, ...], layer: int, *, drop: tuple[str, ...] = ()
+) -> dict[str, mx.array]:
+    """The tensors under the first matching ``prefixes`` of a head module whose layers sit at
+    ``layers.{j}`` beside pieces they share (``fc``, norms): layer ``layer``'s as
+    ``layers.0.*``, the other layers' skipped, the shared pieces as they are."""
+    out: dict[str, mx.array] = {}
+    for key, value in raw.items():
+        prefix = next((p for p in prefixes if key.startswith(p)), None)
+        if prefix is None or any(d in key for d in drop):
+            continue
+        name = key[len(prefix) :]
+        if name.startswith("layers."):
+            idx, _, rest = name[len("layers.") :].partition(".")
+            if int(idx) != layer:
+                continue  # one MTP layer per head module
+            name = f"layers.0.{rest}"
+        out[name] = value
+    return out
+
+
 def dequant_fp8(w: dict[str, mx.array]) -> dict[str, mx.array]:
     """Undo DeepSeek-style fp8 storage: e4m3 weight times a per-128x128-block inverse scale."""
     out = {k: v for k, v in w.items() if not k.endswith("_scale_inv")}

@@ -55,19 +55,10 @@ def is_head_key(key: str, config: dict[str, Any]) -> bool:
 
 def from_hf(raw: dict[str, mx.array], config: dict[str, Any], layer: int = 0) -> dict:
     """Map raw HF head tensors to ``MTPHead`` parameter names, repairing (1+w) norms."""
-    out: dict[str, mx.array] = {}
-    for key, value in raw.items():
-        if not key.startswith(_PREFIXES):
-            continue
-        name = key[next(len(p) for p in _PREFIXES if key.startswith(p)) :]
-        if name.startswith("layers."):
-            idx, _, rest = name[len("layers.") :].partition(".")
-            if int(idx) != layer:
-                continue  # only one MTP layer is driven per head module
-            name = f"layers.0.{rest}"
-        if value.ndim == 1 and name.endswith(_ONE_PLUS_NORMS):
-            value = value + 1.0
-        out[name] = value
+    out = {
+        name: value + 1.0 if value.ndim == 1 and name.endswith(_ONE_PLUS_NORMS) else value
+        for name, value in mapping.module_layer_tensors(raw, _PREFIXES, layer).items()
+    }
     _unfuse_experts(out, "layers.0.mlp")
     mapping.stack_experts(out, "layers.0.mlp", int(config.get("num_experts") or 0))
     return out
