@@ -28,8 +28,9 @@ the engine's cycle clock over one MTP run; ROLE mlx-vlm: peers_vlm.profile_cycle
 
 An answer: {"tokens": [[ids], ...], "decode_s": s, "decode_tokens": n} (speculative methods
 of melix and mlx-vlm add "cycles", rounds, and "accepted_mean", accepted drafts per row and
-round): the decode window runs from the moment every row has its first token to the last token, and counts the
-tokens after each row's first, so prefill, which every method does alike, is left out.
+round): the decode window runs from the moment every row has its first token to the last
+token, and counts the tokens after each row's first, so prefill, which every method does
+alike, is left out.
 Greedy only: identity is a property of greedy decoding.
 """
 

@@ -14,7 +14,7 @@ Rules of this module:
   `BatchGenerator`, greedy: with a drafter that is a speculative cohort), k None for plain
   decoding. The decode window runs from the moment every row has its first token to the
   last token and counts the tokens after each row's first (prefill, which every
-  contender does alike, is left out), as benchmarks/peer_worker.py does for every peer.
+  contender does alike, is left out), as melix_mlx/tools/peer_worker.py does for every peer.
 - Acceptance is the drafter's own per-round record (`accept_lens`, reset at a run's
   start): in a batch each round records the mean over its rows.
 - `QABatch` puts mlx-vlm's `BatchGenerator` (with the drafter: speculative cohorts) behind
