@@ -3,8 +3,10 @@ the prompt, prefilled by mlx-vlm (its processor and vision tower) and decoded by
 engine with the MTP head loaded through the registry.
 
 Rules:
-- Importing this package needs mlx-vlm (``pip install 'melix-fsm[vlm]'``); nothing else in
-  melix_mlx imports it, so the mlx-lm path neither needs nor loads it.
+- mlx-vlm (``pip install 'melix-fsm[vlm]'``) is imported inside the calls that load,
+  process or compare (never at import); the mlx-lm path neither needs nor loads it. The
+  CLI (``generate --vision``, melix_mlx.vlm.cli) and the server (``serve --vision``,
+  melix_mlx.serve.images) reach this package only when asked for images.
 - ``load_vlm`` (loading), ``VLMText`` (the language model as the engine's main model),
   ``prepare`` / ``generate`` / ``reference`` (one prompt, with images) and
   ``VLMBatchGenerator`` (batched rows with and without images) are the surface.
