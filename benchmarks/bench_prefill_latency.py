@@ -86,6 +86,8 @@ def stream(
         if response.status != 200:
             raise RuntimeError(f"status {response.status}: {response.read()[:200]!r}")
         for line in response.fp:
+            if line.startswith(b": keepalive ") and holder is not None:  # prefill progress: done/total
+                holder["progress"] = [int(n) for n in line.split()[-1].split(b"/")]
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
             choice = (json.loads(line[6:]).get("choices") or [{}])[0]
@@ -258,6 +260,7 @@ def measure(args: argparse.Namespace, port: int, checkpoint: Path) -> dict[str, 
     thread.join(args.window)
     window_cut = thread.is_alive()
     after = metrics(port)
+    progress = holder.get("progress")  # the long prompt's tokens prefilled when the window ended
     if window_cut:  # the window ended first: the long prompt is cancelled (a disconnect)
         with contextlib.suppress(OSError):
             holder["conn"].sock.shutdown(socket.SHUT_RDWR)
@@ -293,6 +296,7 @@ def measure(args: argparse.Namespace, port: int, checkpoint: Path) -> dict[str, 
         "long_prefill_s": None if window_cut else round(first - long_run["began"], 2),
         "window_s": round(first - long_run["began"], 2),
         "window_cut_the_long_prompt": window_cut,
+        "long_prompt_prefilled_at_window_end": progress,
         "prompt_tokens_prefilled_in_window_all_requests": int(
             after.get("melix_prompt_tokens_total", 0.0) - before.get("melix_prompt_tokens_total", 0.0)
         ),
