@@ -13,9 +13,10 @@ Rules of this module:
   chat template); a prompt that writes its placeholders keeps them.
 - Decoding: `VLMBatchGenerator` for one prompt or many (one prompt streams its text unless
   --json); it stops at the tokenizer's EOS, which the tokens exclude, as the text path does.
-- Refused as usage errors (exit 2): a draft model, a quantized KV cache, `--sharding`, an
-  unreadable image, mlx-vlm not installed. An explicit `--method mtp` whose head is refused
-  exits 3 with the receipt, as the text path does.
+- Refused as usage errors (exit 2): a draft model, a quantized or rotating KV cache
+  (`--kv-bits`, `--max-kv-size`), `--sharding`, an unreadable image, mlx-vlm not
+  installed. An explicit `--method mtp` whose head is refused exits 3 with the receipt, as
+  the text path does.
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ def _checked(args: argparse.Namespace) -> None:
         raise ValueError("--vision decodes in one process (no --sharding)")
     if args.method == "draft_model" or args.draft_model:
         raise ValueError("--vision decodes with the checkpoint's MTP head (or plainly), not a draft model")
-    if args.kv_bits is not None or args.quantized_kv:
-        raise ValueError("--vision decodes with a full-precision KV cache (no --kv-bits)")
+    if args.kv_bits is not None or args.quantized_kv or args.max_kv_size is not None:
+        raise ValueError("--vision decodes with a whole, unquantized KV cache (no --kv-bits, --max-kv-size)")
 
 
 def _open_images(files: list[str]) -> list[Any]:
