@@ -11,7 +11,8 @@ Rules:
 - ``VLMInfo.vision_tower`` notes the tower (its depth and parameter count), or None when the
   checkpoint ships none (mlx-vlm then disables it and only text prompts run).
 - A refused receipt loads no head: ``head`` is None and ``info.refusal`` says why; the
-  decoders then decode plainly, as they do on the mlx-lm path.
+  decoders then decode plainly, as they do on the mlx-lm path. A draft model is a
+  ValueError (the head slot holds the MTP head or nothing here).
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ def load_vlm(
     from ..loading.heads.stacked import StackedHead
     from ..loading.sidecar import validate_pack
 
+    method = getattr(getattr(speculative, "method", None), "value", None)
+    if method == "draft_model":  # this adapter fills the head slot with the MTP head or nothing
+        raise ValueError("the mlx-vlm adapter decodes with the MTP head (or plainly), not a draft model")
     path = Path(resolve_model(str(path)))
     config = load_config(path)
     family = detect_family(config)
