@@ -516,3 +516,48 @@ def test_dspark_calibrates(dspark) -> None:
     for fn in forwards * 2:
         fn()
         assert ([c.offset for c in cache], [c.offset for c in head_cache]) == offsets
+
+
+@pytest.mark.slow  # 1500 sampled runs: minutes on the 2-core CI machine
+def test_dspark_sampled_tokens_follow_the_targets_joint(dspark) -> None:
+    """temp 1, top_k 4, k = 1: the first two tokens (prefill, then one cycle whose draft is
+    the drafter's block pass, biased toward the target's likeliest second token through
+    its Markov head) are drawn from the target's exact joint (G-test, alpha 1e-3)."""
+    from collections import Counter
+
+    from melix_mlx.decode import MTPDecoder
+    from melix_mlx.runtime.sampling import make_sampler, normalize_logits, params_of, probabilities
+    from test_decode_sampling import ALPHA, SAMPLES, g_test
+
+    model, head, _, _ = dspark
+    vocab = head.markov_head.head.weight.shape[0]
+    sampler = make_sampler(temp=1.0, top_k=4)
+    params = params_of(sampler)
+
+    def dist(tokens: list[int]) -> mx.array:
+        return probabilities(normalize_logits(model(mx.array([tokens]))[0, -1]), params)
+
+    p1 = dist(DSPARK_PROMPT)
+    joint: dict[tuple[int, int], float] = {}
+    table = mx.zeros((vocab, vocab))
+    for t1 in (t for t in range(vocab) if p1[t].item() > 0):
+        p2 = dist(DSPARK_PROMPT + [t1])
+        joint.update({(t1, t2): p1[t1].item() * p2[t2].item() for t2 in range(vocab) if p2[t2].item() > 0})
+        table = table.at[t1, int(mx.argmax(p2).item())].add(1e4)
+    bigrams = _Bigrams([], vocab)
+    bigrams.table = table
+    original, head.markov_head = head.markov_head, bigrams
+    mx.random.seed(20261207)
+    counts: Counter = Counter()
+    totals: Counter = Counter()
+    try:
+        for _ in range(SAMPLES):
+            decoder = MTPDecoder(model, head, num_draft_tokens=1, sampler=sampler)
+            t1, t2 = (t for t, _, _ in decoder.generate(mx.array(DSPARK_PROMPT), 2))
+            counts[(t1, t2)] += 1
+            totals.update({"accepted": decoder.stats["accepted"], "rejected": decoder.stats["rejected"]})
+    finally:
+        head.markov_head = original
+    assert set(counts) <= set(joint)
+    assert totals["accepted"] > SAMPLES // 10 and totals["rejected"] > SAMPLES // 10
+    assert g_test(counts, joint) > ALPHA
