@@ -46,6 +46,7 @@ import mlx.core as mx
 from melix_mlx.batch_generator import MTPBatchGenerator
 from melix_mlx.decode import MTPDecoder
 from melix_mlx.loading import load_with_heads
+from melix_mlx.loading.errors import UnsupportedServing
 from melix_mlx.runtime.calibrate import calibrate
 from melix_mlx.runtime.hidden import main_parts
 from melix_mlx.tools.bench import Bench
@@ -100,6 +101,11 @@ def bench_family(family: str, path: str, args: argparse.Namespace) -> dict[str, 
     vocab = main_parts(model).args.vocab_size
     bench.head = ControlledDraft(head, scripts, vocab, args.p, seed=args.seed)
     sizes = sorted({1, args.batch})
+    out: dict[str, Any] = {"calibration_tries": 0}
+    refused = _batch_refusal(model, head, args.batch) if args.batch > 1 else None
+    if refused is not None:  # a family that runs one sequence at a time: its batch cell says why
+        sizes.remove(args.batch)
+        out[f"batch{args.batch}"] = {"refused": refused}
 
     def cell(size: int) -> Any:
         return bench.single_cell(args.k, 0.0) if size == 1 else bench.batch_cell(size, args.k, 0.0)
@@ -108,7 +114,6 @@ def bench_family(family: str, path: str, args: argparse.Namespace) -> dict[str, 
     for size in sizes:  # warm-up: first-call compilation and allocation stay out of the figures
         cell(size)
     bench.repeats = args.reps
-    out: dict[str, Any] = {"calibration_tries": 0}
     for _ in range(args.calibration_tries):  # a shared machine can poison one; it is refused, not used
         out["calibration_tries"] += 1
         bench.failures.clear()
@@ -124,6 +129,15 @@ def bench_family(family: str, path: str, args: argparse.Namespace) -> dict[str, 
             row = {name: getattr(measured, name) for name in FIELDS}
         out["single" if size == 1 else f"batch{size}"] = row
     return out
+
+
+def _batch_refusal(model: Any, head: Any, size: int) -> str | None:
+    """The typed reason the batched generator refuses this family's caches, or None."""
+    try:
+        MTPBatchGenerator(model, head, num_draft_tokens=1, completion_batch_size=size).close()
+    except UnsupportedServing as exc:
+        return str(exc)  # "<reason>: <message>"
+    return None
 
 
 # -- the same cells on this process's CPU clock (--clock cpu) --------------------------------
@@ -313,7 +327,7 @@ def _merge(path: Path, result: dict[str, Any], args: argparse.Namespace) -> None
     for family, cells in result["families"].items():
         families[family] = {
             "batch_1": cells["single"]["efficiency"],
-            f"batch_{args.batch}": cells[f"batch{args.batch}"]["efficiency"],
+            f"batch_{args.batch}": cells[f"batch{args.batch}"].get("efficiency"),  # None: refused
             "batch_1_quartiles": quartiles(cells["single"].get("efficiencies")),
             f"batch_{args.batch}_quartiles": quartiles(cells[f"batch{args.batch}"].get("efficiencies")),
             "shape": {"hidden_size": args.hidden, "num_hidden_layers": args.layers, "tokens": args.tokens},
