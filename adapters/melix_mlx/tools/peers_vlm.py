@@ -42,10 +42,12 @@ from typing import Any
 
 import mlx.core as mx
 
+from melix_fsm.errors import MelixError
+
 Timer = Callable[[], float]
 
 
-class PeerSetupError(ValueError):
+class PeerSetupError(MelixError, ValueError):
     """mlx-vlm is missing, or its drafter cannot run the depth a cell names."""
 
 
