@@ -14,7 +14,7 @@ For each family:
 - after rejecting cycles the main cache equals a clean run fed only the confirmed tokens
   (LongCat: both latent caches of every layer, CacheList(KVCache, KVCache)), no replay;
 - a 4-bit converted checkpoint keeps identity.
-LongCat-Flash's n-gram variant is refused with its typed reason.
+LongCat-Flash's n-gram variant has its own file, test_family_longcat_ngram.py.
 """
 
 from __future__ import annotations
@@ -77,15 +77,6 @@ def test_hf_layout_loads_with_mlx_lm_and_is_admitted(loaded, family):
     if family == "longcat_flash":
         assert "num_nextn_predict_layers" not in json.loads((path / "config.json").read_text())
         assert all(isinstance(c, CacheList) for c in make_prompt_cache(model))
-
-
-def test_longcat_ngram_is_refused_with_its_reason(tmp_path):
-    from melix_mlx.tools.tiny import make_tiny
-
-    path = make_tiny("longcat_flash", tmp_path / "ngram", model_type="longcat_flash_ngram")
-    receipt = resolve(path)
-    assert receipt.mode != "accepted"
-    assert receipt.family == "longcat_flash_ngram" and "n-gram embedding" in receipt.message
 
 
 # -- the reference forwards ------------------------------------------------------------------

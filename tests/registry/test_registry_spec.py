@@ -23,7 +23,7 @@ ROLLBACK = tomllib.loads((spec_dir() / "rollback.toml").read_text(encoding="utf-
 HEADS_DIR = Path(__file__).resolve().parents[2] / "adapters" / "melix_mlx" / "loading" / "heads"
 
 RUNNABLE = {"qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "mimo"}
-RUNNABLE |= {"ernie4_5_moe", "longcat_flash"}
+RUNNABLE |= {"ernie4_5_moe", "longcat_flash", "longcat_flash_ngram"}
 RUNNABLE |= {"bailing_moe_v3", "bailing_hybrid"}
 RUNNABLE |= {"deepseek_v32", "glm_moe_dsa"}
 RUNNABLE |= {"nemotron_h"}
@@ -31,7 +31,6 @@ RUNNABLE |= {"mimo_v2_flash", "step3p5", "exaone_moe"}
 RUNNABLE |= {"deepseek_v41"}
 REFUSED = {
     "kimi_k3",
-    "longcat_flash_ngram",
 }
 
 

@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 FAMILIES = ("qwen3_5", "deepseek_v3", "mimo", "glm4_moe", "glm4_moe_lite", "qwen3_5_moe", "qwen3_next")
-FAMILIES += ("ernie4_5_moe", "longcat_flash")
+FAMILIES += ("ernie4_5_moe", "longcat_flash", "longcat_flash_ngram")
 FAMILIES += ("deepseek_v32", "glm_moe_dsa")
 FAMILIES += ("nemotron_h",)
 FAMILIES += ("bailing_moe_v3", "bailing_hybrid")

@@ -39,7 +39,7 @@ from mlx_lm.models.gated_delta import (
     normalize_qk,
 )
 
-from . import capture_linear, capture_mamba
+from . import capture_linear, capture_mamba, capture_ngram
 from .cache_leaves import ARMED as _ARMED  # attribute an armed leaf carries: per-step states
 from .cache_leaves import leaves
 
@@ -190,6 +190,7 @@ CAPTURING: dict[type, type] = {
 }
 CAPTURING.update(capture_linear.CAPTURING)  # Bailing and Kimi K3 linear attention
 CAPTURING.update(capture_mamba.CAPTURING)  # Nemotron-H Mamba-2
+CAPTURING.update(capture_ngram.CAPTURING)  # LongCat-Flash n-gram token context
 
 
 def _recurrent_layers(model: nn.Module) -> list[nn.Module]:

@@ -51,13 +51,16 @@ def main_parts(model: nn.Module) -> MainParts:
     text = model.get("language_model", model)
     inner = next((text[n] for n in _INNER if isinstance(text, dict) and n in text), None)
     embed_name = next((n for n in _EMBED if inner is not None and n in inner), None)
+    holder = inner
+    if embed_name is None and inner is not None and "ngram_embeddings" in inner:
+        holder, embed_name = inner["ngram_embeddings"], "word_embeddings"  # longcat_flash_ngram's word table
     if embed_name is None:
         raise UnsupportedModel(
             f"{type(model).__module__}.{type(model).__name__} has no inner model with "
             "an embedding; cannot read its hidden states"
         )
     args = getattr(text, "args", None)
-    embed = inner[embed_name]
+    embed = holder[embed_name]
     if getattr(args, "tie_word_embeddings", False) or "lm_head" not in text:
         lm_head: Callable[[mx.array], mx.array] = embed.as_linear
     else:

@@ -27,7 +27,16 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import tiny_dsa, tiny_dsv41, tiny_ernie_longcat, tiny_linear, tiny_moe, tiny_nemotron, tiny_swa
+from . import (
+    tiny_dsa,
+    tiny_dsv41,
+    tiny_ernie_longcat,
+    tiny_linear,
+    tiny_longcat_ngram,
+    tiny_moe,
+    tiny_nemotron,
+    tiny_swa,
+)
 from .tiny_layers import Init, lm_head, mlp, qwen3_5_full_attn, qwen3_5_linear_attn
 from .tiny_tokenizer import EOS_TOKEN_ID, VOCAB_SIZE, write_tokenizer
 
@@ -137,6 +146,7 @@ ALL_FAMILIES += tiny_linear.FAMILIES
 ALL_FAMILIES += tiny_nemotron.FAMILIES
 ALL_FAMILIES += tiny_swa.FAMILIES
 ALL_FAMILIES += tiny_dsv41.FAMILIES
+ALL_FAMILIES += tiny_longcat_ngram.FAMILIES
 # the config key each family's head count is written under (``mtp_layers``)
 HEAD_COUNT_KEY = {
     "qwen3_5": "mtp_num_hidden_layers",
@@ -153,6 +163,7 @@ HEAD_COUNT_KEY.update(tiny_ernie_longcat.HEAD_COUNT_KEY)
 HEAD_COUNT_KEY.update(tiny_nemotron.HEAD_COUNT_KEY)
 HEAD_COUNT_KEY.update(tiny_swa.HEAD_COUNT_KEY)
 HEAD_COUNT_KEY.update(tiny_dsv41.HEAD_COUNT_KEY)
+HEAD_COUNT_KEY.update(tiny_longcat_ngram.HEAD_COUNT_KEY)
 
 
 def _config_for(family: str, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict]:
@@ -172,6 +183,10 @@ def _config_for(family: str, overrides: dict[str, Any]) -> tuple[dict[str, Any],
         return text, text
     if family in tiny_linear.CONFIGS:  # flat configs
         text = copy.deepcopy(tiny_linear.CONFIGS[family])
+        text.update(overrides)
+        return text, text
+    if family in tiny_longcat_ngram.CONFIGS:  # flat config
+        text = copy.deepcopy(tiny_longcat_ngram.CONFIGS[family])
         text.update(overrides)
         return text, text
     if family in tiny_dsa.CONFIGS or family in tiny_ernie_longcat.CONFIGS:  # flat configs
@@ -289,6 +304,8 @@ def _builder(family: str) -> Any:
         return tiny_dsa.BUILDERS[family]
     if family in tiny_ernie_longcat.BUILDERS:
         return tiny_ernie_longcat.BUILDERS[family]
+    if family in tiny_longcat_ngram.BUILDERS:
+        return tiny_longcat_ngram.BUILDERS[family]
     if family not in _BUILDERS:  # the MoE layouts (DeepSeek-V3 included) live in tiny_moe
         return tiny_moe.BUILDERS[family]
     return _BUILDERS[family]

@@ -66,6 +66,7 @@ from . import (
     glm4_moe_lite,
     glm_moe_dsa,
     longcat_flash,
+    longcat_flash_ngram,
     mimo,
     mimo_v2_flash,
     nemotron_h,
@@ -93,6 +94,7 @@ FAMILY_MODULES: dict[str, ModuleType] = {
     "glm_moe_dsa": glm_moe_dsa,
     "ernie4_5_moe": ernie4_5_moe,
     "longcat_flash": longcat_flash,
+    "longcat_flash_ngram": longcat_flash_ngram,
     "nemotron_h": nemotron_h,
     "deepseek_v41": deepseek_v41,
 }
