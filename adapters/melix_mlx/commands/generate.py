@@ -351,16 +351,9 @@ def _decode_and_print(
         return _fail(f"decoding failed: {type(exc).__name__}: {exc}")
     wall_s = time.perf_counter() - started
     common["depth"] = controller.k if controller is not None else None  # where the policy left k
-    for i, result in enumerate(results):
-        if args.json:
-            print(json.dumps({"index": i, **result, **common}))
-        elif len(results) > 1:
-            print(result["text"])
-    sys.stdout.flush()
-    if not args.json:
-        from .generate_summary import summary
+    from .generate_summary import emit
 
-        print(summary(PROG, results, common, wall_s), file=sys.stderr)
+    emit(PROG, results, common, wall_s, args.json)
     return EXIT_OK
 
 

@@ -7,11 +7,14 @@ Rules of this module:
   acceptance, and the speedup over plain decoding where the policy has an estimate (the
   live controller's measured one, else the receipt's prediction). Nothing is measured here.
 - The full receipt is not repeated: `--receipt` prints it, `--json` puts it in every result.
-- No mlx import.
+- No mlx import. `emit` prints what `generate` prints (JSON lines, texts, the summary),
+  for its text path and its VL path alike.
 """
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import Any
 
 
@@ -72,3 +75,18 @@ def summary(prog: str, results: list[dict[str, Any]], common: dict[str, Any], wa
     line += f", acceptance {accepted / proposed:.2f} ({accepted}/{proposed} drafts)"
     speedup = _speedup(results, common["receipt"])
     return line + (f", {speedup}" if speedup is not None else "")
+
+
+def emit(
+    prog: str, results: list[dict[str, Any]], common: dict[str, Any], wall_s: float, as_json: bool
+) -> None:
+    """One JSON line per result (with the common fields), or the texts of a batch and the
+    summary on stderr."""
+    for i, result in enumerate(results):
+        if as_json:
+            print(json.dumps({"index": i, **result, **common}))
+        elif len(results) > 1:
+            print(result["text"])
+    sys.stdout.flush()
+    if not as_json:
+        print(summary(prog, results, common, wall_s), file=sys.stderr)

@@ -150,17 +150,11 @@ def run(args: argparse.Namespace, speculative_config: Any, model_dir: Path, mode
     started = time.perf_counter()
     results = _decode(args, model, processor, head, prepared, speculative_config)
     wall_s = time.perf_counter() - started
-    for i, ((prompt, files), result) in enumerate(zip(rows, results)):
+    for (prompt, files), result in zip(rows, results):
         result.update(prompt=prompt, images=files)
-        if args.json:
-            print(json.dumps({"index": i, **result, **common}))
-        elif len(results) > 1:
-            print(result["text"])
-    sys.stdout.flush()
-    if not args.json:
-        from ..commands.generate_summary import summary
+    from ..commands.generate_summary import emit
 
-        print(summary(PROG, results, common, wall_s), file=sys.stderr)
+    emit(PROG, results, common, wall_s, args.json)
     return EXIT_OK
 
 
