@@ -195,6 +195,7 @@ def test_cancelled_stream_frees_its_row(server: Any) -> None:
     while rows(server.url) > 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert rows(server.url) == 0
+    assert server.generator.metrics.tracked_rows == 0  # the removed row's counters went with it
     assert metrics(server.url)["melix_generated_tokens_total"] - before < 4000  # removed, not finished
     assert complete(server.url, "A small").choices[0].text  # still serving
 

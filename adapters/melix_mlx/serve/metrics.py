@@ -151,6 +151,16 @@ class ServeMetrics:
         self.tokens_per_second.set(counted / span if span > 0 else 0.0)
         self.observe_rows(rows)
 
+    @property
+    def tracked_rows(self) -> int:
+        """Rows whose counters are held (for their next report's change)."""
+        return len(self._counters)
+
+    def forget(self, uids: Any) -> None:
+        """Rows removed outside a step (cancelled) are in no report's `left`: their counters go."""
+        for uid in uids:
+            self._counters.pop(uid, None)
+
     def observe_segment(self, seconds: float) -> None:
         self.segments.observe(seconds)
         if seconds > self.segment_max._value.get():

@@ -225,6 +225,7 @@ class ServingBatchGenerator(MTPBatchGenerator):
             self._boundaries.pop(uid, None)
             if self.committed is not None:
                 self.committed.discard(uid)
+        self.metrics.forget(uids)
         self.metrics.observe_rows(self.batch.rows)
         return out
 
