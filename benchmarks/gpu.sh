@@ -122,7 +122,8 @@ cp "$RESULTS/device.log" "$RESULTS/device.json" 2>/dev/null
 
 exactness() {
   # verify: both embedded checkpoints in float32, bfloat16 and 4-bit (each report's JSON kept)
-  # limits per verify run: GPU_SH_VERIFY_LIMIT (a CPU dry run under load needs more)
+  # limits per verify run and for the gallery: GPU_SH_VERIFY_LIMIT, GPU_SH_GALLERY_LIMIT (a
+  # CPU dry run under load needs more)
   local work="$MELIX_FSM_CACHE/qa-gallery" profile=(--profile quick --draws 200)
   local limit="${GPU_SH_VERIFY_LIMIT:-45}"
   [ "$QUICK" = 1 ] && profile=(--profile smoke --draws 100)
@@ -140,7 +141,7 @@ exactness() {
   # the gallery under this device's rounding: no false alarm, every planted class found
   local targets=(mlx-lm melix planted) examples=(--max-examples 5)
   [ "$QUICK" = 1 ] && targets=(planted) && examples=()
-  step gallery 150 python -m melix_mlx.tools.qa.gallery --models stdlib-tiny --regimes bfloat16 q4 \
+  step gallery "${GPU_SH_GALLERY_LIMIT:-150}" python -m melix_mlx.tools.qa.gallery --models stdlib-tiny --regimes bfloat16 q4 \
     --targets "${targets[@]}" "${examples[@]}" --work "$work" --out "$RESULTS/gallery.json"
   step exactness 30 python -m melix_mlx.tools.qa.collect "$RESULTS"
 }
