@@ -17,7 +17,10 @@ Rules of this module:
   context), a piece at most twice its latest (the cost per token is not flat in the piece's
   size: measured on a small piece, a large one overshoots); a request not measured yet gets
   a probe of `PROBE` tokens (so a prompt of at most that many joins at once). Pieces share
-  the budget between the requests of a step. A
+  the budget between the requests of a step, but a share is not cut below a probe (each
+  piece is a forward of its own: tiny ones cost more in overhead than they save, and a
+  rate measured on them falls, so they would stay tiny), unless the whole budget holds
+  less. A
   piece is never shorter than `MIN_PIECE` tokens (progress) nor longer than the chunk
   limit (`prefill_chunk`).
 - The last piece of a prompt (prefilled when its row joins the batch) is cut to its share
@@ -90,7 +93,9 @@ class PrefillBudget:
         if measured is None:  # not measured yet: a probe (another request's rate says little of it)
             return max(MIN_PIECE, min(PROBE, self.chunk))
         rate, latest = measured  # a piece at most doubles: a cost per token that is not flat overshoots
-        return max(MIN_PIECE, min(self.chunk, 2 * latest, int(rate * self.budget_s * share)))
+        whole = int(rate * self.budget_s)  # the budget to itself
+        shared = max(int(whole * share), min(PROBE, whole))  # a share is never cut below a probe
+        return max(MIN_PIECE, min(self.chunk, 2 * latest, shared))
 
     def cut(self, queue: Any, limit: int) -> list[Any]:
         """The requests the next segment stage prefills (at most `limit`), each next segment
