@@ -554,6 +554,7 @@ def start(args: argparse.Namespace, port: int) -> tuple[subprocess.Popen, list[s
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=60.0, help="minutes of load (default 60)")
+    p.add_argument("--duration", type=float, default=None, help="seconds of load (instead of --minutes)")
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--model", default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -568,6 +569,8 @@ def main() -> int:
     p.add_argument("--log", type=Path, default=Path("/tmp/soak_serve_server.log"))
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    if args.duration is not None:
+        args.minutes = args.duration / 60.0
     seconds = 60.0 * args.minutes
     warmup = 60.0 * (args.warmup_minutes if args.warmup_minutes is not None else args.minutes / 4)
     port = free_port()
