@@ -16,7 +16,7 @@ pytest.importorskip("fastapi")
 
 from melix_mlx.serve.limits import ServeLimits  # noqa: E402
 from melix_mlx.serve.protocol import Defaults, parse  # noqa: E402
-from melix_mlx.serve.runtime import SpeculativeContext  # noqa: E402
+from melix_mlx.serve.request_queue import SpeculativeContext  # noqa: E402
 from melix_mlx.serve.session import Aborted, Submission  # noqa: E402
 from mlx_lm.server import Response  # noqa: E402
 

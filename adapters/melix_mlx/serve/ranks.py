@@ -51,7 +51,8 @@ import mlx.core as mx
 
 from ..runtime.distributed import EXIT_RANK_FAILED, DistributedError, PeerLost, rank_error
 from .prompt_work import PrefillBudget
-from .runtime import RequestCancelled, ServingResponseGenerator, SpeculativeContext
+from .request_queue import RequestCancelled, SpeculativeContext
+from .runtime import ServingResponseGenerator
 
 RANK_TIMEOUT_S = 60.0  # a collective that has not returned by then: a rank died or hung
 SIGNAL_GRACE_S = 10.0  # past the drain timeout, a signalled follower stops waiting for rank 0

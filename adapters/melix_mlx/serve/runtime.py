@@ -10,8 +10,9 @@ Rules of this module:
   server keeps working in the same process. `rebind` fails loudly if mlx-lm's code no
   longer names a factory we substitute.
 - One generation thread, fed by a bounded queue (`submit`; `queue.Full` when it is
-  full). Each request's responses go to an `AsyncResponseQueue`: the generation thread
-  puts, the HTTP event loop reads, and no HTTP thread ever blocks on a request.
+  full). Each request's responses go to an `AsyncResponseQueue`
+  (melix_mlx.serve.request_queue): the generation thread puts, the HTTP event loop
+  reads, and no HTTP thread ever blocks on a request.
 - Before a request is prefilled (`_tokenize`): a request cancelled while it waited is
   dropped; its tokens were made on the HTTP side (melix_mlx.serve.prompt_work), else
   here, where an empty or too long prompt is refused (`PromptRejected`, a 400).
@@ -44,33 +45,25 @@ Rules of this module:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import threading
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
 from queue import Queue
 from typing import Any
 
 import mlx_lm.server as server_module
 from mlx_lm.generate import PromptProcessingBatch
-from mlx_lm.server import GenerationContext, ResponseGenerator
-
-from melix_fsm.errors import MelixError
+from mlx_lm.server import ResponseGenerator
 
 from ..decoding.batch_generator import MTPBatchGenerator
 from .chunks import split_segments
 from .images import image_safe, no_image_parts, row_caches
 from .plain_path import PartialHits
 from .prompt_work import Clock, PrefillBudget, tokenize
+from .request_queue import AsyncResponseQueue, RequestCancelled, SpeculativeContext
 from .seeded import row_processors, row_sampler
 from .usage import PLAIN_PATH_REASON, speculative_usage
-
-
-class RequestCancelled(MelixError):
-    """The request was cancelled before the generation thread started it."""
 
 
 def rebind(function: Any, **names: Any) -> Any:
@@ -83,46 +76,6 @@ def rebind(function: Any, **names: Any) -> Any:
     return types.FunctionType(
         function.__code__, scope, function.__name__, function.__defaults__, function.__closure__
     )
-
-
-@dataclass
-class SpeculativeContext(GenerationContext):
-    queue: Any = None  # the request's response queue (set when mlx-lm queues the context)
-    speculative: dict[str, Any] | None = None  # the usage's speculative object, once finished
-
-    @property
-    def cancelled(self) -> bool:
-        return self._should_stop
-
-
-class AsyncResponseQueue:
-    """One request's responses: put by the generation thread, read on the event loop.
-
-    `cancel` (any thread) stops the request wherever it is: before tokenization (the
-    request's event), or through its context, whether that exists yet or not (a lock
-    orders the two threads)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, cancelled: threading.Event) -> None:
-        self.loop = loop
-        self.items: asyncio.Queue[Any] = asyncio.Queue()
-        self.cancelled = cancelled  # the request's own event (ServedRequest.cancelled)
-        self.ctx: SpeculativeContext | None = None
-        self._lock = threading.Lock()
-
-    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
-        if isinstance(item, SpeculativeContext):
-            with self._lock:
-                item.queue, self.ctx = self, item
-                if self.cancelled.is_set():
-                    item.stop()
-        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
-            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
-
-    def cancel(self) -> None:
-        with self._lock:
-            self.cancelled.set()
-            if self.ctx is not None:
-                self.ctx.stop()
 
 
 class ServingBatchGenerator(MTPBatchGenerator):
@@ -416,10 +369,18 @@ class ServingResponseGenerator(ResponseGenerator):
     def _make_batch_generator(self, model: Any, **options: Any) -> ServingBatchGenerator:
         served = self.served
         self.batch_generator = ServingBatchGenerator(
-            model, served.head, num_draft_tokens=served.num_draft_tokens, refusal=served.refusal,
-            controller=served.controller, contexts=self.contexts, pending=self._pending, metrics=self.metrics,
+            model,
+            served.head,
+            num_draft_tokens=served.num_draft_tokens,
+            refusal=served.refusal,
+            controller=served.controller,
+            contexts=self.contexts,
+            pending=self._pending,
+            metrics=self.metrics,
             method=served.requested_method,
             objective="throughput",  # requests keep arriving: every emitted token counts
-            prefill_chunk=self.prefill_chunk, prefill_budget_s=self.prefill_budget_s, **options,
+            prefill_chunk=self.prefill_chunk,
+            prefill_budget_s=self.prefill_budget_s,
+            **options,
         )
         return self.batch_generator

@@ -10,7 +10,7 @@ Rules of this module:
   server began to drain), `drain_timeout`. A final state is reached exactly once;
   whatever arrives after it is ignored.
 - `abort` stops the request in the generation thread wherever it is (queued, prefilling,
-  generating: melix_mlx.serve.runtime.AsyncResponseQueue.cancel) and wakes the reader
+  generating: melix_mlx.serve.request_queue.AsyncResponseQueue.cancel) and wakes the reader
   with an `Aborted` marker, so a handler waiting on a long prefill answers at once.
 - Every wait is bounded by the request's deadline (`request_timeout_s`).
 """
@@ -30,7 +30,7 @@ from melix_fsm.request import RequestEvent, RequestState, new_request
 
 from .prompt_work import PromptRejected
 from .protocol import Parsed
-from .runtime import AsyncResponseQueue, RequestCancelled, SpeculativeContext
+from .request_queue import AsyncResponseQueue, RequestCancelled, SpeculativeContext
 
 FAULT_TYPES = (ValueError, TypeError, KeyError, IndexError)  # bad input found while tokenizing
 
@@ -110,8 +110,11 @@ class Submission:
                 self._send(RequestEvent.complete)
                 return
             if isinstance(item, tuple):
-                self._send(RequestEvent.start_prefill if self.state is RequestState.queued
-                           else RequestEvent.prefill_chunk)
+                self._send(
+                    RequestEvent.start_prefill
+                    if self.state is RequestState.queued
+                    else RequestEvent.prefill_chunk
+                )
                 yield item
                 continue
             if self.state is RequestState.queued:
@@ -124,5 +127,8 @@ class Submission:
 def is_bad_input(exc: BaseException) -> bool:
     """An exception before the context came from the request itself (a 400), not the server."""
     return isinstance(exc, (PromptRejected, RequestCancelled, *FAULT_TYPES)) or type(exc).__name__ in (
-        "TemplateError", "TemplateSyntaxError", "UndefinedError", "InvalidPrompt",
+        "TemplateError",
+        "TemplateSyntaxError",
+        "UndefinedError",
+        "InvalidPrompt",
     )
