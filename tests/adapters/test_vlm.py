@@ -100,3 +100,14 @@ def test_two_rows_are_refused_typed(loaded):
     with pytest.raises(UnsupportedServing) as info:
         model(mx.array([[1, 2], [3, 4]]), model.make_cache())
     assert info.value.reason is RefusalReason.unsupported_model
+
+
+def test_make_tiny_vision_writes_the_vl_checkpoint(tmp_path, capsys):
+    from melix_fsm.cli import main
+
+    out = tmp_path / "vl"
+    assert main(["make-tiny", "qwen3_5", str(out), "--vision"]) == 0
+    model, _, head, info = load_vlm(out)
+    assert info.refusal is None and head is not None and info.vision_tower is not None
+    assert main(["make-tiny", "qwen3_5_moe", str(tmp_path / "moe"), "--vision"]) == 2
+    assert "qwen3_5 VL checkpoint only" in capsys.readouterr().err

@@ -4,7 +4,10 @@ Rules of this module:
 - A thin front for `melix_mlx.tools.tiny.make_tiny` (seeded, deterministic weights, MTP head
   included, byte-level tokenizer); prints the output directory.
 - Exit status: 0 written, 2 usage error (unknown family, OUT_DIR not writable,
-  --mtp-layers below 1).
+  --mtp-layers below 1, --vision with anything but qwen3_5 and the default weights).
+- `--vision` writes the tiny vision-language checkpoint (melix_mlx.vlm.tiny: the embedded
+  stdlib-hybrid wrapped with a one-block vision tower, the upstream Qwen3.5 VL layout
+  that mlx-vlm loads); dense qwen3_5 only.
 - The family list is repeated here so `register` does not import mlx; `run` checks it
   against `melix_mlx.tools.tiny.FAMILIES`.
 """
@@ -37,6 +40,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--mtp-layers", type=int, default=None, metavar="N", help="MTP head layers to write (default: 1)"
     )
+    parser.add_argument(
+        "--vision",
+        action="store_true",
+        help="qwen3_5 only: the tiny vision-language checkpoint (mlx-vlm's layout)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -50,10 +58,31 @@ def run(args: argparse.Namespace) -> int:
     if args.mtp_layers is not None and args.mtp_layers < 1:
         print("melix-fsm make-tiny: error: --mtp-layers must be >= 1", file=sys.stderr)
         return 2
+    if args.vision:
+        return _vision(args)
     try:
         out = make_tiny(
             args.family, args.out_dir, seed=args.seed, dtype=args.dtype, mtp_layers=args.mtp_layers
         )
+    except OSError as exc:
+        print(f"melix-fsm make-tiny: error: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+def _vision(args: argparse.Namespace) -> int:
+    if args.family != "qwen3_5" or args.mtp_layers is not None or args.dtype != "float32":
+        print(
+            "melix-fsm make-tiny: error: --vision writes the dense qwen3_5 VL checkpoint only "
+            "(float32, its one trained head layer)",
+            file=sys.stderr,
+        )
+        return 2
+    from melix_mlx.vlm.tiny import write_tiny_vl
+
+    try:
+        out = write_tiny_vl(args.out_dir, seed=args.seed)
     except OSError as exc:
         print(f"melix-fsm make-tiny: error: {exc}", file=sys.stderr)
         return 2
