@@ -111,18 +111,10 @@ def scored(run: dict[str, Any]) -> tuple[float | None, list[float]]:
 
 
 def metrics(port: int) -> dict[str, float]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    try:
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    """The server's /metrics (started without an API key here)."""
+    from soak_serve import metrics as scrape  # beside this script: one /metrics reader
+
+    return scrape(port, key=None)
 
 
 def segment_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:

@@ -450,10 +450,11 @@ class Soak:
 
 
 # -- the server and its samples ---------------------------------------------------------------------
-def metrics(port: int) -> dict[str, float]:
+def metrics(port: int, key: str | None = KEY) -> dict[str, float]:
+    """The server's /metrics as {sample name with labels: value} (also bench_prefill_latency's)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
-        conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
         text = conn.getresponse().read().decode()
     finally:
         conn.close()
