@@ -2,14 +2,17 @@
 prefilled by mlx-vlm, decoded by the cycle engine with its MTP head.
 
 The checkpoint is the embedded ``stdlib-hybrid`` wrapped with a tiny vision tower in the
-upstream layout (``melix_mlx.vlm.tiny``); 64 x 64 images give 4 image tokens, so the
+upstream layout (``melix_mlx.vlm.tiny``), dense (``qwen3_5``) and as its MoE variant
+(``qwen3_5_moe``, the 35B-A3B layout); 64 x 64 images give 4 image tokens, so the
 multimodal positions really differ from text positions (a rope delta of -2).
-- mlx-vlm loads it with its tower; the head comes through the registry, the receipt admits
-  it and the tower is noted;
+- mlx-vlm loads either with its tower; the head comes through the registry, the receipt
+  admits it and the tower is noted;
 - greedy MTP decoding equals mlx-vlm's own greedy ``generate_step`` token for token, with
-  an image (two images, two different outputs) and without, at k = 1..3, with rejections;
+  an image (two images, two different outputs) and without, at k = 1..3 (the MoE variant
+  at k = 2), with rejections;
 - a head-less VL conversion takes its head from a split-drafter pack through the contract;
-- two rows on a single-row cache are a typed refusal (batched rows: test_vlm_batch.py).
+- two rows on a single-row cache are a typed refusal (batched rows: test_vlm_batch.py);
+- ``make-tiny FAMILY --vision`` writes either checkpoint; any other family is a usage error.
 Skipped when mlx-vlm is not installed (``pip install 'melix-fsm[vlm]'``).
 """
 
@@ -28,11 +31,13 @@ pytest.importorskip("PIL.Image")
 from melix_mlx.loading.errors import UnsupportedServing  # noqa: E402
 from melix_mlx.loading.head_pack import write_pack  # noqa: E402
 from melix_mlx.vlm import generate, load_vlm, prepare, reference  # noqa: E402
+from melix_mlx.vlm.tiny import FAMILIES  # noqa: E402
 from vlm_helpers import IMAGE_PROMPT, image, loaded_vl, tiny_vl  # noqa: E402  (tests/adapters is on sys.path)
 
 from melix_fsm.reasons import RefusalReason  # noqa: E402
 
 N = 20
+CASES = [("qwen3_5", 1), ("qwen3_5", 2), ("qwen3_5", 3), ("qwen3_5_moe", 2)]  # (family, k)
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +50,13 @@ def loaded():
     return loaded_vl()
 
 
-def test_loads_with_its_tower_and_head(loaded):
-    model, processor, head, info = loaded
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loads_with_its_tower_and_head(family):
+    model, processor, head, info = loaded_vl(family)
     assert info.receipt.mode == "accepted" and info.refusal is None, info.receipt.message
-    assert head is not None and info.head_layers == 1 and info.family == "qwen3_5"
-    assert info.vision_tower is not None and info.vision_tower.startswith("qwen3_5: depth 1")
+    assert head is not None and info.head_layers == 1 and info.family == family
+    assert info.receipt.head_module == family
+    assert info.vision_tower is not None and info.vision_tower.startswith(f"{family}: depth 1")
     inputs = prepare(model, processor, IMAGE_PROMPT, [image(0)])
     assert inputs["input_ids"][0].tolist().count(processor.image_token_id) == 4
     grid = inputs["image_grid_thw"]
@@ -57,9 +64,9 @@ def test_loads_with_its_tower_and_head(loaded):
     assert prompt.delta == -2  # multimodal positions, not text positions
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_image_prompt_is_mlx_vlms_greedy(loaded, k):
-    model, processor, head, _ = loaded
+@pytest.mark.parametrize(("family", "k"), CASES)
+def test_image_prompt_is_mlx_vlms_greedy(family, k):
+    model, processor, head, _ = loaded_vl(family)
     outputs = []
     for seed in (0, 1):
         inputs = prepare(model, processor, IMAGE_PROMPT, [image(seed)])
@@ -109,5 +116,14 @@ def test_make_tiny_vision_writes_the_vl_checkpoint(tmp_path, capsys):
     assert main(["make-tiny", "qwen3_5", str(out), "--vision"]) == 0
     model, _, head, info = load_vlm(out)
     assert info.refusal is None and head is not None and info.vision_tower is not None
-    assert main(["make-tiny", "qwen3_5_moe", str(tmp_path / "moe"), "--vision"]) == 2
-    assert "qwen3_5 VL checkpoint only" in capsys.readouterr().err
+    assert main(["make-tiny", "qwen3_5_moe", str(tmp_path / "moe"), "--vision"]) == 0
+    config = json.loads((tmp_path / "moe" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_moe" and config["text_config"]["num_experts"] == 4
+    assert config["vision_config"]["model_type"] == "qwen3_5_moe"
+    keys = set(mx.load(str(tmp_path / "moe" / "model.safetensors")))
+    for stem in ("model.language_model.layers.0.mlp", "mtp.layers.0.mlp"):  # as released: fused experts
+        assert {f"{stem}.experts.gate_up_proj", f"{stem}.shared_expert_gate.weight"} <= keys
+        assert f"{stem}.gate_proj.weight" not in keys
+    capsys.readouterr()
+    assert main(["make-tiny", "qwen3_next", str(tmp_path / "next"), "--vision"]) == 2
+    assert "VL checkpoint of qwen3_5 or qwen3_5_moe only" in capsys.readouterr().err

@@ -1,8 +1,9 @@
-"""Batched rows with and without images (melix_mlx.vlm.batch) on the tiny Qwen3.5 VL checkpoint.
+"""Batched rows with and without images (melix_mlx.vlm.batch) on the tiny Qwen3.5 VL checkpoints.
 
 One continuous batch: an image row and a text row start together, a second image row
 joins late, the text row is removed half-way. Every row's greedy tokens equal mlx-vlm's
-own greedy ``generate_step`` for that row alone, token for token, at k = 1 and 2, with
+own greedy ``generate_step`` for that row alone, token for token, at k = 1 and 2 (the MoE
+variant, ``qwen3_5_moe``, at k = 2), with
 drafts accepted and rejected (the rows' rope deltas, -2 for an image row, carried across
 every step and reshape). The CLI (`melix-fsm generate --vision`) decodes the same rows.
 Skipped when mlx-vlm is not installed.
@@ -10,6 +11,7 @@ Skipped when mlx-vlm is not installed.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -23,9 +25,10 @@ from vlm_helpers import IMAGE_PROMPT, TEXT_PROMPT, image, loaded_vl, tiny_vl  # 
 N = 12
 
 
-@pytest.fixture(scope="module")
-def rows():
-    model, processor, _, _ = loaded_vl()
+@functools.cache
+def family_rows(family: str) -> tuple[list, list[list[int]]]:
+    """Three rows' inputs (image, text, image) and each one's mlx-vlm greedy tokens, alone."""
+    model, processor, _, _ = loaded_vl(family)
     inputs = [
         prepare(model, processor, IMAGE_PROMPT, [image(0)]),
         prepare(model, processor, TEXT_PROMPT),
@@ -34,10 +37,15 @@ def rows():
     return inputs, [reference(model, row, N) for row in inputs]
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_image_and_text_rows_in_one_batch_are_mlx_vlms_greedy(rows, k):
-    model, _, head, _ = loaded_vl()
-    inputs, want = rows
+@pytest.fixture(scope="module")
+def rows():
+    return family_rows("qwen3_5")
+
+
+@pytest.mark.parametrize(("family", "k"), [("qwen3_5", 1), ("qwen3_5", 2), ("qwen3_5_moe", 2)])
+def test_image_and_text_rows_in_one_batch_are_mlx_vlms_greedy(family, k):
+    model, _, head, _ = loaded_vl(family)
+    inputs, want = family_rows(family)
     gen = VLMBatchGenerator(model, head, num_draft_tokens=k, max_tokens=N)
     first = gen.insert_inputs(inputs[:2])
     got: dict[int, list[int]] = {}

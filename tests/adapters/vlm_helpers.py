@@ -1,8 +1,9 @@
-"""Shared by the mlx-vlm tests: one tiny VL checkpoint, loaded once per test process.
+"""Shared by the mlx-vlm tests: one tiny VL checkpoint per family, loaded once per test process.
 
-The checkpoint (melix_mlx.vlm.tiny.write_tiny_vl: the embedded stdlib-hybrid with a tiny
-vision tower) is written to a temporary folder removed at exit; tests that modify a
-checkpoint copy it first. Importing this module needs mlx-vlm (the tests skip first).
+The checkpoints (melix_mlx.vlm.tiny.write_tiny_vl: the embedded stdlib-hybrid with a tiny
+vision tower; ``qwen3_5`` dense, ``qwen3_5_moe`` its MoE variant) are written to a
+temporary folder removed at exit; tests that modify a checkpoint copy it first. Importing
+this module needs mlx-vlm (the tests skip first).
 """
 
 from __future__ import annotations
@@ -21,20 +22,20 @@ TEXT_PROMPT = "def main(): w"
 
 
 @functools.cache
-def tiny_vl() -> Path:
+def tiny_vl(family: str = "qwen3_5") -> Path:
     from melix_mlx.vlm.tiny import write_tiny_vl
 
     root = Path(tempfile.mkdtemp(prefix="melix-tiny-vl-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
-    return write_tiny_vl(root / "tiny-vl")
+    return write_tiny_vl(root / f"tiny-vl-{family}", family=family)
 
 
 @functools.cache
-def loaded_vl() -> tuple[Any, Any, Any, Any]:
-    """``load_vlm(tiny_vl())``: (model, processor, head, info), shared: never modify."""
+def loaded_vl(family: str = "qwen3_5") -> tuple[Any, Any, Any, Any]:
+    """``load_vlm(tiny_vl(family))``: (model, processor, head, info), shared: never modify."""
     from melix_mlx.vlm import load_vlm
 
-    return load_vlm(tiny_vl())
+    return load_vlm(tiny_vl(family))
 
 
 def image(seed: int) -> Any:

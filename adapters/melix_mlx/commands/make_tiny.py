@@ -4,10 +4,12 @@ Rules of this module:
 - A thin front for `melix_mlx.tools.tiny.make_tiny` (seeded, deterministic weights, MTP head
   included, byte-level tokenizer); prints the output directory.
 - Exit status: 0 written, 2 usage error (unknown family, OUT_DIR not writable,
-  --mtp-layers below 1, --vision with anything but qwen3_5 and the default weights).
+  --mtp-layers below 1, --vision with a family other than qwen3_5 / qwen3_5_moe or with
+  other than the default weights).
 - `--vision` writes the tiny vision-language checkpoint (melix_mlx.vlm.tiny: the embedded
   stdlib-hybrid wrapped with a one-block vision tower, the upstream Qwen3.5 VL layout
-  that mlx-vlm loads); dense qwen3_5 only.
+  that mlx-vlm loads): dense for qwen3_5, the Qwen3.5/3.6-MoE (35B-A3B) layout for
+  qwen3_5_moe.
 - The family list is repeated here so `register` does not import mlx; `run` checks it
   against `melix_mlx.tools.tiny.FAMILIES`.
 """
@@ -25,6 +27,7 @@ FAMILIES += ("nemotron_h",)
 FAMILIES += ("bailing_moe_v3", "bailing_hybrid")
 FAMILIES += ("mimo_v2_flash", "step3p5", "exaone_moe")
 FAMILIES += ("deepseek_v41",)
+VISION_FAMILIES = ("qwen3_5", "qwen3_5_moe")  # melix_mlx.vlm.tiny.FAMILIES, without importing mlx
 
 
 def register(subparsers: Any) -> None:
@@ -43,7 +46,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--vision",
         action="store_true",
-        help="qwen3_5 only: the tiny vision-language checkpoint (mlx-vlm's layout)",
+        help="qwen3_5 or qwen3_5_moe: the tiny vision-language checkpoint (the HF layout mlx-vlm loads)",
     )
     parser.set_defaults(run=run)
 
@@ -72,17 +75,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _vision(args: argparse.Namespace) -> int:
-    if args.family != "qwen3_5" or args.mtp_layers is not None or args.dtype != "float32":
+    if args.family not in VISION_FAMILIES or args.mtp_layers is not None or args.dtype != "float32":
         print(
-            "melix-fsm make-tiny: error: --vision writes the dense qwen3_5 VL checkpoint only "
-            "(float32, its one trained head layer)",
+            "melix-fsm make-tiny: error: --vision writes the VL checkpoint of qwen3_5 or qwen3_5_moe "
+            "only (float32, its one trained head layer)",
             file=sys.stderr,
         )
         return 2
     from melix_mlx.vlm.tiny import write_tiny_vl
 
     try:
-        out = write_tiny_vl(args.out_dir, seed=args.seed)
+        out = write_tiny_vl(args.out_dir, seed=args.seed, family=args.family)
     except OSError as exc:
         print(f"melix-fsm make-tiny: error: {exc}", file=sys.stderr)
         return 2

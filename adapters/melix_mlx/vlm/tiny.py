@@ -12,6 +12,15 @@ Rules:
   (``VISION_TOKENS``); text those merges made now encodes as their parts.
 - The vision tower's weights are random (seeded): the tests check identity against
   mlx-vlm on the same weights, not what the tower sees.
+- ``family="qwen3_5_moe"`` writes the Qwen3.5/3.6-MoE variant (the 35B-A3B layout): wrapper
+  ``qwen3_5_moe``, ``text_config`` ``qwen3_5_moe_text`` with the MoE keys, and every
+  feed-forward (the head's too) a sparse-MoE block stored as released: router
+  ``mlp.gate``, fused ``mlp.experts.gate_up_proj`` [E, 2I, D] / ``mlp.experts.down_proj``
+  [E, D, I], ``mlp.shared_expert.*`` and ``mlp.shared_expert_gate``. The trained dense
+  feed-forward becomes the shared expert (its down projection doubled, the gate near zero:
+  sigmoid ~ 1/2), the routed experts are small random ones (seeded) that move every
+  layer's output by a few percent: routing changes the logits, and the trained head still
+  drafts well (MTP acceptance, not only identity, is exercised).
 """
 
 from __future__ import annotations
@@ -61,6 +70,36 @@ def _vision_weights(vision_cfg: dict, seed: int) -> dict[str, mx.array]:
     return out
 
 
+MOE = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "router_aux_loss_coef": 0.001,
+    "output_router_logits": False,
+}
+FAMILIES = ("qwen3_5", "qwen3_5_moe")
+
+
+def _as_moe(text: dict, tensors: dict[str, mx.array], seed: int) -> None:
+    """Make the dense checkpoint's text config and tensors the MoE variant, in place."""
+    dense = text.pop("intermediate_size")
+    text.update(MOE, model_type="qwen3_5_moe_text", shared_expert_intermediate_size=dense)
+    n_exp, inter, d = MOE["num_experts"], MOE["moe_intermediate_size"], text["hidden_size"]
+    prefixes = sorted({k.rsplit(".mlp.", 1)[0] for k in tensors if ".mlp.gate_proj." in k})
+    for i, p in enumerate(prefixes):  # every layer's, and the head's
+        k = mx.random.split(mx.random.key(seed * 10_000 + i + 1), 4)
+        mlp = f"{p}.mlp"
+        for proj in ("gate_proj", "up_proj"):
+            tensors[f"{mlp}.shared_expert.{proj}.weight"] = tensors.pop(f"{mlp}.{proj}.weight")
+        tensors[f"{mlp}.shared_expert.down_proj.weight"] = 2.0 * tensors.pop(f"{mlp}.down_proj.weight")
+        tensors[f"{mlp}.shared_expert_gate.weight"] = 0.01 * mx.random.normal((1, d), key=k[0])
+        tensors[f"{mlp}.gate.weight"] = mx.random.normal((n_exp, d), key=k[1]) / d**0.5
+        tensors[f"{mlp}.experts.gate_up_proj"] = mx.random.normal((n_exp, 2 * inter, d), key=k[2]) / d**0.5
+        tensors[f"{mlp}.experts.down_proj"] = 0.02 * mx.random.normal((n_exp, d, inter), key=k[3])
+
+
 def _free_ids(bpe: dict, ids: set[int]) -> None:
     """Drop the BPE entries holding ``ids`` and the merges that made them."""
     dropped = {t for t, i in bpe["vocab"].items() if i in ids}
@@ -72,13 +111,19 @@ def _free_ids(bpe: dict, ids: set[int]) -> None:
     bpe["merges"] = [m for m in bpe["merges"] if made(m) not in dropped]
 
 
-def write_tiny_vl(out: str | Path, *, seed: int = 0) -> Path:
-    """Write the tiny VL checkpoint into ``out`` (created); returns it."""
+def write_tiny_vl(out: str | Path, *, seed: int = 0, family: str = "qwen3_5") -> Path:
+    """Write the tiny VL checkpoint of ``family`` (``FAMILIES``) into ``out`` (created); returns it."""
+    if family not in FAMILIES:
+        raise ValueError(f"no tiny VL checkpoint of {family!r}; choose from {FAMILIES}")
     src, out = EMBEDDED["stdlib-hybrid"], Path(out)
     shutil.copytree(src, out, ignore=shutil.ignore_patterns("training_report.json"))
     cfg = json.loads((out / "config.json").read_text())
     cfg.pop("language_model_only", None)
-    vision = {**VISION, "out_hidden_size": cfg["text_config"]["hidden_size"], "model_type": "qwen3_5"}
+    tensors = dict(mx.load(str(src / "model.safetensors")))
+    if family == "qwen3_5_moe":
+        _as_moe(cfg["text_config"], tensors, seed)
+        cfg.update(model_type=family, architectures=["Qwen3_5MoeForConditionalGeneration"])
+    vision = {**VISION, "out_hidden_size": cfg["text_config"]["hidden_size"], "model_type": family}
     cfg.update(
         vision_config=vision,
         image_token_id=VISION_TOKENS["<|image_pad|>"],
@@ -87,7 +132,6 @@ def write_tiny_vl(out: str | Path, *, seed: int = 0) -> Path:
         vision_end_token_id=VISION_TOKENS["<|vision_end|>"],
     )
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    tensors = dict(mx.load(str(src / "model.safetensors")))
     tensors.update(_vision_weights(vision, seed))
     mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "pt"})
     index = json.loads((out / "model.safetensors.index.json").read_text())
