@@ -4,6 +4,9 @@ Rules of this module:
 - One prompt goes through `mtp_stream_generate` (text streamed to stdout unless --json);
   several run concurrently through `MTPBatchGenerator`, with `--stagger N` inserting
   one prompt every N generator steps (0: all at once).
+- `drive_batch` is the one batch loop: the text path and `generate --vision`
+  (melix_mlx.vlm.cli, whose generator takes prepared inputs) both run it, each giving
+  its own insert callable.
 - `tokens` are the generated ids with the terminating EOS/stop token excluded, as in
   mlx-lm's `generate` / `batch_generate`.
 - The head slot holds an MTP head, a draft model (melix_mlx.decoding.draft_model) or nothing
@@ -12,6 +15,7 @@ Rules of this module:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -85,14 +89,31 @@ def decode_batched(
         {"prompt": p, "prompt_tokens": len(e), "tokens": [], "finish_reason": None, "stats": None}
         for p, e in zip(prompts, encoded)
     ]
+    drive_batch(gen, results, lambda rows: gen.insert([encoded[i] for i in rows]), args.stagger)
+    for result in results:
+        result["text"] = wrapper.decode(result["tokens"])
+    return results
+
+
+def drive_batch(
+    gen: Any,
+    results: list[dict[str, Any]],
+    insert: Callable[[list[int]], list[int]],
+    stagger: int,
+    on_token: Callable[[int], None] | None = None,
+) -> None:
+    """Run the batch generator ``gen`` until every row of ``results`` has finished, then close it.
+
+    Rows join through ``insert`` (row indices -> the generator's uids, in order): all at
+    once (``stagger`` 0) or one every ``stagger`` steps. Each row's result gets its tokens
+    (the stop token excluded), its finish reason and its stats; ``on_token`` sees every
+    kept token as it comes (streaming one row's text)."""
     index_of: dict[int, int] = {}
-    waiting = list(range(len(prompts)))
-    done = 0
-    step = 0
-    while done < len(prompts):
-        if waiting and (args.stagger == 0 or step % args.stagger == 0):
-            batch = waiting if args.stagger == 0 else waiting[:1]
-            for uid, i in zip(gen.insert([encoded[i] for i in batch]), batch):
+    waiting, done, step = list(range(len(results))), 0, 0
+    while done < len(results):
+        if waiting and (stagger == 0 or step % stagger == 0):
+            batch = waiting if stagger == 0 else waiting[:1]
+            for uid, i in zip(insert(batch), batch):
                 index_of[uid] = i
             waiting = waiting[len(batch) :]
         _, generation = gen.next()
@@ -101,11 +122,10 @@ def decode_batched(
             result = results[index_of[r.uid]]
             if r.finish_reason != "stop":  # mlx-lm's batch_generate drops the stop token too
                 result["tokens"].append(r.token)
+                if on_token is not None:
+                    on_token(r.token)
             if r.finish_reason is not None:
                 result["finish_reason"] = r.finish_reason
                 result["stats"] = r.stats.to_dict()
                 done += 1
     gen.close()
-    for result in results:
-        result["text"] = wrapper.decode(result["tokens"])
-    return results

@@ -12,7 +12,9 @@ Rules of this module:
   placeholder per image before its text (the raw prompt, as the text path encodes it: no
   chat template); a prompt that writes its placeholders keeps them.
 - Decoding: `VLMBatchGenerator` for one prompt or many (one prompt streams its text unless
-  --json); it stops at the tokenizer's EOS, which the tokens exclude, as the text path does.
+  --json), run by the text path's own batch loop (melix_mlx.commands.generate_decode
+  .drive_batch) with prepared inputs inserted; it stops at the tokenizer's EOS, which the
+  tokens exclude, as the text path does.
 - Refused as usage errors (exit 2): a draft model, a quantized or rotating KV cache
   (`--kv-bits`, `--max-kv-size`), `--sharding`, an unreadable image, mlx-vlm not
   installed. An explicit `--method mtp` whose head is refused exits 3 with the receipt, as
@@ -178,6 +180,7 @@ def _decode(
     """Every row through one VLMBatchGenerator (`--stagger N`: one row joins every N steps)."""
     import mlx.core as mx
 
+    from ..commands.generate_decode import drive_batch
     from ..runtime.sampling import make_sampler
     from .batch import VLMBatchGenerator
 
@@ -198,28 +201,15 @@ def _decode(
     results = [
         {"prompt_tokens": int(p["input_ids"].shape[1]), "tokens": [], "finish_reason": None} for p in prepared
     ]
-    index_of: dict[int, int] = {}
-    waiting, done, step = list(range(len(prepared))), 0, 0
     stream = len(prepared) == 1 and not args.json
-    while done < len(prepared):
-        if waiting and (args.stagger == 0 or step % args.stagger == 0):
-            batch = waiting if args.stagger == 0 else waiting[:1]
-            for uid, i in zip(gen.insert_inputs([prepared[i] for i in batch]), batch):
-                index_of[uid] = i
-            waiting = waiting[len(batch) :]
-        _, generation = gen.next()
-        step += 1
-        for r in generation:
-            result = results[index_of[r.uid]]
-            if r.finish_reason != "stop":
-                result["tokens"].append(r.token)
-                if stream:
-                    print(tokenizer.decode([r.token]), end="", flush=True)
-            if r.finish_reason is not None:
-                result["finish_reason"] = r.finish_reason
-                result["stats"] = r.stats.to_dict()
-                done += 1
-    gen.close()
+
+    def insert(rows: list[int]) -> list[int]:
+        return gen.insert_inputs([prepared[i] for i in rows])
+
+    def show(token: int) -> None:
+        print(tokenizer.decode([token]), end="", flush=True)
+
+    drive_batch(gen, results, insert, args.stagger, on_token=show if stream else None)
     if stream:
         print()
     for result in results:
