@@ -25,16 +25,24 @@ Rules of this script:
 - The regime is recorded. The bandwidth-bound CPU regime is OpenBLAS, one thread:
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \\
       python benchmarks/bench_controlled_acceptance.py --families ernie4_5_moe longcat_flash
+- Shapes are profiles: the tiny checkpoints as written (`tiny`, forwards of ~1-3 ms, mostly
+  fixed host cost: graph building and dispatch), or widened by `--hidden` / `--layers`
+  (named `hidden<H>-layers<L>` unless `--profile` names it), whose forwards spend more of
+  their time computing. A profile's figures never replace another's.
+- The machine's load is recorded: `os.getloadavg()` before and after each family, beside
+  the clocks used; a shared machine's other processes move wall-clock figures most.
 - Output: a table on stderr, one JSON object on stdout. `--results FILE` also merges the
-  measured families into FILE (benchmarks/results/controlled-acceptance.json feeds the docs'
-  family table): per family `batch_1` / `batch_<B>` efficiency (null without a calibrated
-  ideal), the cells, the regime and the command line.
+  measured families into FILE under their profile (benchmarks/results/controlled-acceptance.json
+  feeds the docs' family table; schema /2: `profiles.<name>.families.<family>`): per family
+  `batch_1` / `batch_<B>` efficiency (null without a calibrated ideal) and the repeats'
+  quartiles, the shape, clocks, load, the cells, the regime and the command line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -282,16 +290,24 @@ def main() -> int:
     )
     parser.add_argument("--hidden", type=int, default=None, help="hidden size of the tiny models")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers of the tiny models")
+    parser.add_argument(
+        "--profile", default=None, help="the results' profile name (default: tiny, or hidden<H>-layers<L>)"
+    )
     args = parser.parse_args()
     shape = {k: v for k, v in (("hidden_size", args.hidden), ("num_hidden_layers", args.layers)) if v}
     result: dict[str, Any] = {"regime": regime(), "args": vars(args), "families": {}}
+    args.profile = args.profile or profile_name(args.hidden, args.layers)
+    result["profile"] = args.profile
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families:
             path = str(make_tiny(family, f"{tmp}/{family}", **shape))
+            start = os.getloadavg()
             result["families"][family] = bench_family(family, path, args)
+            result["families"][family]["load_average"] = {"start": list(start), "end": list(os.getloadavg())}
     print(
         f"regime: {result['regime']['blas']} ({result['regime']['blas_threads']} threads); p = {args.p}, "
-        f"k = {args.k}, {args.tokens} tokens, median of {args.reps}",
+        f"k = {args.k}, {args.tokens} tokens, median of {args.reps}; profile {args.profile}; "
+        f"clocks: cells {args.clock}, calibration {args.calibration_clock}",
         file=sys.stderr,
     )
     print(
@@ -301,6 +317,11 @@ def main() -> int:
         file=sys.stderr,
     )
     for family, cells in result["families"].items():
+        load = cells["load_average"]
+        print(
+            f"{family:14} load average (1 min) {load['start'][0]:.2f} -> {load['end'][0]:.2f}",
+            file=sys.stderr,
+        )
         for name, row in cells.items():
             if not isinstance(row, dict) or "ratio" not in row:
                 continue
@@ -319,20 +340,45 @@ def main() -> int:
     return 0
 
 
-def _merge(path: Path, result: dict[str, Any], args: argparse.Namespace) -> None:
-    """Add this run's families to the results file (one entry per family, the latest run)."""
+def profile_name(hidden: int | None, layers: int | None) -> str:
+    """The profile a shape's figures are filed under: `tiny` as written, else its overrides."""
+    parts = [f"{name}{v}" for name, v in (("hidden", hidden), ("layers", layers)) if v]
+    return "-".join(parts) or "tiny"
+
+
+SCHEMA = "melix-fsm/controlled-acceptance/2"
+
+
+def load_results(path: Path) -> dict[str, Any]:
+    """The results file in schema /2; a /1 file (one shape: `families` at the top, all of
+    them measured on the tiny checkpoints) is read as the `tiny` profile."""
     data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    data["schema"] = "melix-fsm/controlled-acceptance/1"
-    families = data.setdefault("families", {})
+    if "families" in data and "profiles" not in data:
+        data = {"profiles": {"tiny": {"families": data["families"]}}}
+    data["schema"] = SCHEMA
+    data.setdefault("profiles", {})
+    return data
+
+
+def _merge(path: Path, result: dict[str, Any], args: argparse.Namespace) -> None:
+    """Add this run's families to their profile in the results file (one entry per family
+    and profile: the latest run); other profiles are left as they are."""
+    data = load_results(path)
+    profile = data["profiles"].setdefault(args.profile, {})
+    profile["shape"] = {"hidden_size": args.hidden, "num_hidden_layers": args.layers, "tokens": args.tokens}
+    families = profile.setdefault("families", {})
     for family, cells in result["families"].items():
         families[family] = {
             "batch_1": cells["single"]["efficiency"],
             f"batch_{args.batch}": cells[f"batch{args.batch}"].get("efficiency"),  # None: refused
             "batch_1_quartiles": quartiles(cells["single"].get("efficiencies")),
             f"batch_{args.batch}_quartiles": quartiles(cells[f"batch{args.batch}"].get("efficiencies")),
-            "shape": {"hidden_size": args.hidden, "num_hidden_layers": args.layers, "tokens": args.tokens},
+            "shape": profile["shape"],
             "p": args.p,
             "k": args.k,
+            "clock": args.clock,
+            "calibration_clock": args.calibration_clock,
+            "load_average": cells["load_average"],
             "regime": result["regime"],
             "command": " ".join(sys.argv),
             "cells": cells,

@@ -19,7 +19,7 @@ FAMILIES_TABLE_MARK = "<!-- melix-docs: families-table -->"
 
 _HEADER = (
     "| Family (`model_type`) | What people run | MTP | Head layout | Caches: rollback | Batched "
-    "| Identity verified | Efficiency at p = 0.8 (batch 1 / batch 4) |",
+    "| Identity verified | Efficiency at p = 0.8 per shape (batch 1 / batch 4) |",
     "|---|---|---|---|---|---|---|---|",
 )
 

@@ -132,22 +132,41 @@ def machines_table() -> str:
 
 
 def measured_efficiency(path: Path = EFFICIENCY_RESULTS) -> dict[str, str]:
-    """Family -> "batch 1 / batch 4" efficiency (median, and the repeats' quartiles where
-    recorded) from the controlled-acceptance bench's results."""
+    """Family -> its efficiency per recorded shape: "tiny: batch 1 / batch 4 · <profile>:
+    batch 1 / batch 4", each the median and, where recorded, the repeats' quartiles, from
+    the controlled-acceptance bench's results (schema /2: one entry per profile; a /1 file
+    is the tiny profile alone)."""
     if not path.is_file():
         return {}
     data = json.loads(path.read_text(encoding="utf-8"))
-    out = {}
-    for family, cells in data.get("families", {}).items():
-        figures = []
-        for key in ("batch_1", "batch_4"):
-            median, quartiles = cells.get(key), cells.get(f"{key}_quartiles")
-            text = "-" if median is None else f"{median:.2f}"
-            if median is not None and quartiles:
-                text += f" ({quartiles[0]:.2f}-{quartiles[1]:.2f})"
-            figures.append(text)
-        out[family] = " / ".join(figures)
-    return out
+    profiles = data.get("profiles") or {"tiny": {"families": data.get("families", {})}}
+    # the tiny checkpoints first, then the widened shapes in their recorded order
+    names = sorted(profiles, key=lambda name: name != "tiny")
+    out: dict[str, list[str]] = {}
+    for name in names:
+        for family, cells in profiles[name].get("families", {}).items():
+            figures = []
+            for key in ("batch_1", "batch_4"):
+                median, quartiles = cells.get(key), cells.get(f"{key}_quartiles")
+                text = "-" if median is None else f"{median:.2f}"
+                if median is not None and quartiles:
+                    text += f" ({quartiles[0]:.2f}-{quartiles[1]:.2f})"
+                figures.append(text)
+            out.setdefault(family, []).append(
+                f"{_profile_label(name, profiles[name])}: {' / '.join(figures)}"
+            )
+    return {family: " · ".join(parts) for family, parts in out.items()}
+
+
+def _profile_label(name: str, profile: dict) -> str:
+    """A profile's shape as the table shows it: `tiny`, or `h<hidden> x<layers>`."""
+    shape = profile.get("shape") or {}
+    hidden, layers = shape.get("hidden_size"), shape.get("num_hidden_layers")
+    if name == "tiny" or not (hidden or layers):
+        return "tiny"
+    return " ".join(
+        part for part in (f"h{hidden}" if hidden else "", f"{layers} layers" if layers else "") if part
+    )
 
 
 # -- the CLI reference -------------------------------------------------------------
