@@ -92,6 +92,16 @@ def slope_per_hour(samples: list[tuple[float, float]], after_s: float = 0.0) -> 
     return 3600.0 * sum((t - mt) * (v - mv) for t, v in kept) / var
 
 
+def memory_slopes(samples: list[dict[str, float]], after_s: float) -> dict[str, float | None]:
+    """Each memory series' slope after warm-up (MB/hour): which layer tracks the RSS."""
+    out = {}
+    for name in MEMORY:
+        series = [(s["t"], s[name]) for s in samples if name in s]
+        slope = slope_per_hour(series, after_s)
+        out[name] = None if slope is None else round(slope, 2)
+    return out
+
+
 class Tally:
     """Counts by kind; unexpected statuses and mismatched answers, with examples."""
 
@@ -473,6 +483,17 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
+# the server's memory by layer (melix_mlx.serve.memory), sampled beside its RSS, in MB
+MEMORY = (
+    "mlx_active_memory_bytes",
+    "mlx_cache_memory_bytes",
+    "mlx_peak_memory_bytes",
+    "malloc_in_use_bytes",
+    "malloc_free_bytes",
+    "prompt_cache_bytes",
+)
+
+
 class Sampler(threading.Thread):
     """The server's RSS and prompt cache every `every` seconds."""
 
@@ -482,12 +503,15 @@ class Sampler(threading.Thread):
         self.began = time.monotonic()
         self.rss: list[tuple[float, float]] = []
         self.cache: list[dict[str, float]] = []
+        self.memory: list[dict[str, float]] = []  # MB of each layer (MEMORY), beside the RSS
         self.stopped = threading.Event()
 
     def sample(self) -> None:
         t = round(time.monotonic() - self.began, 1)
         self.rss.append((t, round(rss_mb(self.pid), 1)))
         m = metrics(self.port)
+        layers = {k: round(m[f"melix_{k}"] / 2**20, 2) for k in MEMORY if f"melix_{k}" in m}
+        self.memory.append({"t": t, **layers, "python_gc_objects": m.get("melix_python_gc_objects")})
         self.cache.append(
             {
                 "t": t,
@@ -630,6 +654,8 @@ def main() -> int:
         "rss_warmup_s": warmup,
         "rss_slope_mb_per_hour": None if slope is None else round(slope, 2),
         "rss_samples": sampler.rss,
+        "memory_slopes_mb_per_hour": memory_slopes(sampler.memory, warmup),
+        "memory_samples": sampler.memory,
         "prompt_cache": {
             "max_entries_seen": entries,
             "entry_bound": cache_bound,

@@ -17,7 +17,9 @@ Rules of this module:
   run (a quantized KV cache), exit 3 with the typed reason before anything is loaded.
 - The HTTP front is uvicorn with a FastAPI app (melix_mlx.serve.app); its limits are
   flags (`ServeLimits`: body, prompt tokens, max_tokens, logit_bias, stop list, queue,
-  timeouts, prefill chunk, connections). `--api-key` (or MELIX_FSM_API_KEY) requires a
+  timeouts, prefill chunk, connections, keep-alive, memory trim). `--mlx-cache-limit`
+  bounds mlx's buffer cache for the whole process, before anything loads
+  (melix_mlx.serve.memory). `--api-key` (or MELIX_FSM_API_KEY) requires a
   Bearer token on every route but /health; `--allowed-origins` enables CORS for those
   origins only (none by default). Models are named `--served-model-name` (default: the
   checkpoint directory's base name); no response names a path.
@@ -57,9 +59,12 @@ LIMIT_FLAGS = (
     ("--prefill-chunk-tokens", "prefill_chunk_tokens", int, "prompt tokens a request prefills per step"),
     ("--prefill-budget", "prefill_budget_s", float, "seconds of prompt prefill per step, measured"),
     ("--limit-concurrency", "limit_concurrency", int, "open connections (503 beyond)"),
-    ("--timeout-keep-alive", "timeout_keep_alive_s", int, "seconds an idle connection stays open"),
+    (("--keep-alive-timeout", "--timeout-keep-alive"), "timeout_keep_alive_s", int,
+     "seconds an idle keep-alive connection stays open (above common clients' pool expiry)"),
     ("--head-timeout", "head_timeout_s", float, "seconds a request's head may take to arrive"),
     ("--body-timeout", "body_timeout_s", float, "seconds a request's body may take to arrive"),
+    ("--memory-trim-interval", "memory_trim_s", float,
+     "seconds between returns of malloc's free memory to the system (0: never)"),
 )
 
 
@@ -91,7 +96,13 @@ def register(subparsers: Any) -> None:
     for flag, field, kind, text in LIMIT_FLAGS:
         default = getattr(defaults, field)
         shown = f"{text} (default {default:g})" if default is not None else text
-        parser.add_argument(flag, dest=field, type=kind, default=None, metavar="N", help=shown)
+        flags = (flag,) if isinstance(flag, str) else flag  # a second spelling: uvicorn's
+        parser.add_argument(*flags, dest=field, type=kind, default=None, metavar="N", help=shown)
+    parser.add_argument(
+        "--mlx-cache-limit", type=int, default=None, metavar="MB",
+        help="bound mlx's cache of freed buffers at this many MB (default: mlx's own bound; "
+        "melix_mlx.serve.memory)",
+    )
     parser.add_argument(
         "--api-key", default=None,
         help=f"require this Bearer token on every route but /health (or ${API_KEY_ENV})",
@@ -182,6 +193,8 @@ def _problems(args: argparse.Namespace, limits: Any) -> list[str]:
     problems += check(limits)
     if args.rank_timeout is not None and not args.rank_timeout > 0:
         problems.append("--rank-timeout must be > 0")
+    if args.mlx_cache_limit is not None and args.mlx_cache_limit < 0:
+        problems.append("--mlx-cache-limit must be >= 0")
     if getattr(args, "max_images", 1) < 1 or getattr(args, "max_image_bytes", 1) < 1:
         problems.append("--max-images and --max-image-bytes must be >= 1")
     return problems
@@ -198,6 +211,10 @@ def run(args: argparse.Namespace) -> int:
     from melix_mlx.serve.app import start_server
     from melix_mlx.serve.provider import ServeError, ServeRefused
 
+    if args.mlx_cache_limit is not None:  # process-wide: set before anything is loaded
+        from melix_mlx.serve.memory import apply_cache_limit
+
+        apply_cache_limit(args.mlx_cache_limit << 20)
     group = init_group()
     rank, ranks = group.rank(), group.size()
     if ranks > 1 and args.sharding is None:

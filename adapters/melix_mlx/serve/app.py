@@ -211,7 +211,7 @@ def start_generator(
     return generator_class(
         provider, prompt_cache, metrics,
         queue_size=max_batch_size + limits.max_queue, prefill_chunk=limits.prefill_chunk_tokens,
-        prefill_budget_s=limits.prefill_budget_s, **options,
+        prefill_budget_s=limits.prefill_budget_s, memory_trim_s=limits.memory_trim_s, **options,
     )
 
 

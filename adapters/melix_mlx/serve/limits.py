@@ -32,10 +32,16 @@ class ServeLimits:
     prefill_chunk_tokens: int = 256  # a prompt is prefilled in chunks of at most this
     prefill_budget_s: float = 0.25  # and each step prefills at most about this long (measured)
     limit_concurrency: int = 256  # open connections (uvicorn answers 503 beyond)
-    timeout_keep_alive_s: int = 5  # an idle keep-alive connection is closed after this
+    # an idle keep-alive connection is closed after this: longer than the idle expiry of
+    # common clients' pools (httpx 5 s, under the openai and anthropic clients; aiohttp 15 s),
+    # so the client drops it first, never the server while a request is sent on it
+    timeout_keep_alive_s: int = 30
     max_header_bytes: int = 16 * 1024  # h11's cap on a request's head
     head_timeout_s: float = 10.0  # a request's head must arrive within this (slowloris)
     body_timeout_s: float = 30.0  # and its body within this (408 beyond)
+    # malloc's free pages go back to the system this often (0: never; serve.memory), so the
+    # resident set follows the live bytes, not the heap's high-water mark
+    memory_trim_s: float = 10.0
 
 
 def model_context(path: Path) -> int:
@@ -69,9 +75,13 @@ def check(limits: ServeLimits) -> list[str]:
     ):
         if getattr(limits, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("max_logit_bias", "max_queue", "timeout_keep_alive_s"):
+    for name in ("max_logit_bias", "max_queue"):
         if getattr(limits, name) < 0:
             problems.append(f"--{name.replace('_', '-')} must be >= 0")
+    if limits.memory_trim_s < 0:
+        problems.append("--memory-trim-interval must be >= 0")
+    if limits.timeout_keep_alive_s < 0:
+        problems.append("--keep-alive-timeout must be >= 0")
     for name in ("request_timeout_s", "drain_timeout_s", "head_timeout_s", "body_timeout_s",
                  "prefill_budget_s"):
         if not getattr(limits, name) > 0:

@@ -16,6 +16,8 @@ Rules of this module:
   generation thread: their count, total seconds and the longest (`observe_segment`).
 - The prompt cache is read at scrape time (`watch_prompt_cache`): its entries and bytes
   beside their configured bounds, so a soak can check that it stays bounded.
+- The process's memory by layer (mlx's allocator, malloc, Python, the resident set) is
+  read at scrape time too (melix_mlx.serve.memory).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from melix_fsm import lifecycle as lc
 from melix_fsm.lifecycle import State
+
+from .memory import MemoryCollector
 
 WINDOW_S = 5.0  # tokens/s is measured over the steps of the last WINDOW_S seconds
 SEGMENT_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
@@ -115,6 +119,7 @@ class ServeMetrics:
         for state in ("speculating", "suspended", "plain"):
             self.rows.labels(state=state).set(0)
         r.register(_PolicyCollector(controller))
+        r.register(MemoryCollector())
         self._window: deque[tuple[float, int]] = deque()
         self._verified = [0, 0]  # accepted, accepted + rejected
         self._counters: dict[Any, Any] = {}  # uid -> its lifecycle counters at the last report

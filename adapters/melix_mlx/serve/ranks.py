@@ -145,6 +145,7 @@ class DistributedResponseGenerator(ServingResponseGenerator):
 
     # -- one turn: rank 0 decides, every rank applies -------------------------------
     def _next_request(self, timeout: float | None = None) -> Any:
+        self.memory_trim.tick()  # every rank returns its own free memory (serve.memory)
         self.watchdog.beat()
         command = self._decide(timeout) if self.rank == 0 else None
         command = self._share_object(command)

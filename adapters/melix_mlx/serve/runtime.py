@@ -33,6 +33,8 @@ Rules of this module:
   built just before, in the same generation thread). A finishing row writes its
   speculative usage into the context before mlx-lm queues its last response, so the
   HTTP side finds it on the context when the response ends.
+- Each turn of the loop (busy or idle) the generation thread may return malloc's free
+  pages to the system (melix_mlx.serve.memory.MemoryTrim, every `memory_trim_s`).
 - If mlx-lm's loop itself raises (it would die, and the server with it), the requests it
   held get the exception, its batch generator is closed, and a fresh loop serves on.
 - Failures stay with their request: an insertion that raises fails its request only; each
@@ -59,6 +61,7 @@ from mlx_lm.server import ResponseGenerator
 from ..decoding.batch_generator import MTPBatchGenerator
 from .chunks import split_segments
 from .images import image_safe, no_image_parts, row_caches
+from .memory import MemoryTrim
 from .plain_path import PartialHits
 from .prompt_work import Clock, PrefillBudget, tokenize
 from .request_queue import AsyncResponseQueue, RequestCancelled, SpeculativeContext
@@ -266,9 +269,12 @@ class ServingResponseGenerator(ResponseGenerator):
         queue_size: int = 0,
         prefill_chunk: int = 256,
         prefill_budget_s: float | None = None,
+        memory_trim_s: float = 0.0,
     ) -> None:
         self.served = model_provider.served
         self.metrics = metrics
+        self.memory_trim = MemoryTrim(memory_trim_s)  # ticked by the generation thread
+        metrics.registry.register(self.memory_trim)
         self.queue_size = queue_size  # 0: unbounded (the HTTP side bounds it too)
         self.prefill_chunk = prefill_chunk
         self.prefill_budget_s = prefill_budget_s
@@ -330,6 +336,7 @@ class ServingResponseGenerator(ResponseGenerator):
                 self._fail_in_flight(exc)
 
     def _next_request(self, timeout: float | None = None) -> Any:
+        self.memory_trim.tick()  # each turn of the loop, busy or idle
         request = super()._next_request(timeout)
         if request is not None:
             self._taken = request[0]  # the response queue of the request the loop works on
