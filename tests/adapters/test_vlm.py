@@ -12,7 +12,8 @@ multimodal positions really differ from text positions (a rope delta of -2).
   at k = 2), with rejections;
 - a head-less VL conversion takes its head from a split-drafter pack through the contract;
 - two rows on a single-row cache are a typed refusal (batched rows: test_vlm_batch.py);
-- ``make-tiny FAMILY --vision`` writes either checkpoint; any other family is a usage error.
+- ``make-tiny FAMILY --vision`` writes either checkpoint (the MoE one's head is what mlx-vlm's
+  own ``split_mtp`` reads from it, tensor for tensor); any other family is a usage error.
 Skipped when mlx-vlm is not installed (``pip install 'melix-fsm[vlm]'``).
 """
 
@@ -124,6 +125,13 @@ def test_make_tiny_vision_writes_the_vl_checkpoint(tmp_path, capsys):
     for stem in ("model.language_model.layers.0.mlp", "mtp.layers.0.mlp"):  # as released: fused experts
         assert {f"{stem}.experts.gate_up_proj", f"{stem}.shared_expert_gate.weight"} <= keys
         assert f"{stem}.gate_proj.weight" not in keys
+    from mlx_vlm.split_mtp import split_mtp  # mlx-vlm's own reading of the released head layout
+
+    split_mtp(str(tmp_path / "moe"), str(tmp_path / "theirs"))
+    theirs = mx.load(str(tmp_path / "theirs" / "model.safetensors"))
+    ours = mx.load(str(write_pack(tmp_path / "moe", tmp_path / "ours") / "model.safetensors"))
+    assert "layers.0.mlp.switch_mlp.gate_proj.weight" in theirs and sorted(theirs) == sorted(ours)
+    assert all(mx.array_equal(theirs[k], ours[k]).item() for k in theirs)
     capsys.readouterr()
     assert main(["make-tiny", "qwen3_next", str(tmp_path / "next"), "--vision"]) == 2
     assert "VL checkpoint of qwen3_5 or qwen3_5_moe only" in capsys.readouterr().err
