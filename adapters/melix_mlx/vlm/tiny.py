@@ -94,7 +94,9 @@ def _as_moe(text: dict, tensors: dict[str, mx.array], seed: int) -> None:
         for proj in ("gate_proj", "up_proj"):
             tensors[f"{mlp}.shared_expert.{proj}.weight"] = tensors.pop(f"{mlp}.{proj}.weight")
         tensors[f"{mlp}.shared_expert.down_proj.weight"] = 2.0 * tensors.pop(f"{mlp}.down_proj.weight")
+        # sigmoid(gate . x) stays near 1/2 (x is RMS-normed): the doubled shared expert ~ the dense MLP
         tensors[f"{mlp}.shared_expert_gate.weight"] = 0.01 * mx.random.normal((1, d), key=k[0])
+        # a router of unit-scale logits, so the top-2 choice varies token to token
         tensors[f"{mlp}.gate.weight"] = mx.random.normal((n_exp, d), key=k[1]) / d**0.5
         tensors[f"{mlp}.experts.gate_up_proj"] = mx.random.normal((n_exp, 2 * inter, d), key=k[2]) / d**0.5
         tensors[f"{mlp}.experts.down_proj"] = 0.02 * mx.random.normal((n_exp, d, inter), key=k[3])
