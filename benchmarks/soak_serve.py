@@ -23,7 +23,9 @@ the solo answers. Then `--clients` threads (16) draw kinds at random for `--minu
 
 Checked (`Tally`): every status is the expected one (unexpected: 0), every answer equals
 its solo answer (mismatches: 0). Sampled every `--sample-s`: the server's RSS and its
-prompt cache (entries and bytes against their bounds, from /metrics). Reported (JSON,
+prompt cache (entries and bytes against their bounds, from /metrics), and its memory by
+layer (mlx's live arrays and cache, malloc's bytes in use and free bytes it holds, Python's
+objects: melix_mlx.serve.memory), each with its slope. Reported (JSON,
 also `--out`; a summary on stderr): requests by kind, latency p50/p99 by kind, the
 unexpected and the mismatched (with examples), the RSS samples and their least-squares
 slope after `--warmup-minutes` (MB/hour), the prompt cache's largest size against its
@@ -663,6 +665,9 @@ def main() -> int:
             "byte_bound": sampler.cache[-1]["max_bytes"],
         },
         "server_requests_by_state": by_state,
+        "memory_trim": {
+            k: final.get(f"melix_memory_{k}") for k in ("trims", "trim_seconds", "trim_released_bytes")
+        },
         "load_average_end": os.getloadavg(),
     }
     flat = slope is not None and abs(slope) <= args.max_slope

@@ -32,12 +32,22 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily
 
 
-
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-        "keepcost",
-    )]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _mallinfo() -> Any:
@@ -82,8 +92,10 @@ def readings() -> dict[str, tuple[str, float]]:
     out = {
         "melix_mlx_active_memory_bytes": ("Bytes of live mlx arrays", mx.get_active_memory()),
         "melix_mlx_cache_memory_bytes": ("Bytes mlx holds freed, for reuse", mx.get_cache_memory()),
-        "melix_mlx_peak_memory_bytes": ("The most bytes of live mlx arrays since start",
-                                         mx.get_peak_memory()),
+        "melix_mlx_peak_memory_bytes": (
+            "The most bytes of live mlx arrays since start",
+            mx.get_peak_memory(),
+        ),
         "melix_python_gc_objects": ("Objects tracked by Python's collector", len(gc.get_objects())),
     }
     rss = resident_bytes()
@@ -91,8 +103,10 @@ def readings() -> dict[str, tuple[str, float]]:
         out["melix_process_resident_bytes"] = ("The process's resident set", rss)
     if _MALLINFO is not None:
         info = _MALLINFO()
-        out["melix_malloc_in_use_bytes"] = ("Bytes malloc has handed out and not got back",
-                                            info.uordblks + info.hblkhd)
+        out["melix_malloc_in_use_bytes"] = (
+            "Bytes malloc has handed out and not got back",
+            info.uordblks + info.hblkhd,
+        )
         out["melix_malloc_free_bytes"] = ("Bytes free inside malloc's heap, not returned", info.fordblks)
     return out
 
@@ -133,8 +147,11 @@ class MemoryTrim:
             ("melix_memory_trims", "Times malloc's free pages were returned to the system", self.trims),
             ("melix_memory_trim_seconds", "Seconds spent returning malloc's free pages", self.seconds),
             ("melix_memory_trim_released_bytes", "Resident bytes the trims returned", self.released),
-            ("melix_memory_trim_interval_seconds", "Seconds between trims (0: never)",
-             self.interval_s if self.available else 0.0),
+            (
+                "melix_memory_trim_interval_seconds",
+                "Seconds between trims (0: never)",
+                self.interval_s if self.available else 0.0,
+            ),
         ):
             family = GaugeMetricFamily(name, text)
             family.add_metric([], float(value))
