@@ -22,6 +22,12 @@ Rules of this script:
   token after the first); it counts work, so it credits no overlap of host and device
   work, and a contended machine still moves it (the A/A ratios say how much). Beside
   the medians it reports the ratio of each side's fastest run, the least-disturbed one.
+- `baseline_over_t1`: mlx-lm's loop per token over the calibrated one-token forward, on the
+  cell's clock. The ideal prices a plain token at t_1 (a forward behind its own sync);
+  mlx-lm's loop builds token n + 1 while token n computes, so on a quiet machine it can
+  pay less than t_1 (below 1: the efficiency is low by that factor, the cycle has no such
+  overlap on a CPU), and on a loaded one its two busy threads pay more (above 1: the
+  efficiency reads high). Either way it says how far the baseline strays from the ideal's.
 - The regime is recorded. The bandwidth-bound CPU regime is OpenBLAS, one thread:
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \\
       python benchmarks/bench_controlled_acceptance.py --families ernie4_5_moe longcat_flash
@@ -135,6 +141,9 @@ def bench_family(family: str, path: str, args: argparse.Namespace) -> dict[str, 
         else:
             measured = cell(size)  # one run of the cell: every field from the same repeats
             row = {name: getattr(measured, name) for name in FIELDS}
+            table = bench.timings.get(args.k)
+            if table is not None and row["baseline_tps"]:
+                row["baseline_over_t1"] = 1.0 / row["baseline_tps"] / table.at(size)[0].t_1
         out["single" if size == 1 else f"batch{size}"] = row
     return out
 
@@ -180,7 +189,9 @@ def _cpu_cell(bench: Bench, size: int, k: int) -> dict[str, Any]:
     model, head, n = bench.model, bench.head, bench.max_tokens
     table = bench.timings.get(k)
     cost = table.at(size)[0].cycle_cost if table is not None else None
+    t_1 = table.at(size)[0].t_1 if table is not None else None
     ratios, ideals, effs, aa, accepted, proposed = [], [], [], [], 0, 0
+    per_token: dict[str, list[float]] = {"plain": [], "mtp": []}
     fastest = {"plain": float("inf"), "mtp": float("inf")}  # each side's least-disturbed run
     for r in range(bench.repeats):
         prompts = [bench.prompts[(r + i) % len(bench.prompts)] for i in range(size)]
@@ -199,6 +210,8 @@ def _cpu_cell(bench: Bench, size: int, k: int) -> dict[str, Any]:
         runs["plain_again"] = runs["plain"]
         order = list(runs) if r % 2 == 0 else list(reversed(runs))
         t = {name: runs[name]() for name in order}
+        per_token["plain"].append(t["plain"])
+        per_token["mtp"].append(t["mtp"])
         stats = decoder.stats if size == 1 else gen.speculative_stats()
         accepted, proposed = accepted + stats["accepted"], proposed + stats["proposed"]
         ratios.append(t["plain"] / t["mtp"])
@@ -223,6 +236,10 @@ def _cpu_cell(bench: Bench, size: int, k: int) -> dict[str, Any]:
         "efficiency_of_fastest": fastest["plain"] / fastest["mtp"] / statistics.median(ideals)
         if ideals
         else None,
+        "plain_ms_per_token": statistics.median(per_token["plain"]) * 1e3,
+        "mtp_ms_per_token": statistics.median(per_token["mtp"]) * 1e3,
+        # mlx-lm's loop per token over the calibrated one-token forward (see baseline_over_t1)
+        "baseline_over_t1": statistics.median(per_token["plain"]) / t_1 if t_1 else None,
     }
 
 
@@ -313,7 +330,7 @@ def main() -> int:
     print(
         f"{'family':14} {'cell':7} {'speedup':>8} {'ideal':>7} {'effic':>7} {'quartiles':>11} "
         f"{'accept':>7} {'A/A':>12} "
-        f"{'fastest: speedup':>17} {'effic':>6}",
+        f"{'fastest: speedup':>17} {'effic':>6} {'base/t1':>8}",
         file=sys.stderr,
     )
     for family, cells in result["families"].items():
@@ -331,7 +348,8 @@ def main() -> int:
                 f"{family:14} {name:7} {_fmt(row['ratio']):>8} {_fmt(row['ideal_ratio']):>7} "
                 f"{_fmt(row['efficiency']):>7} {_quartiles(row.get('efficiencies')):>11} "
                 f"{_fmt(row['acceptance_rate']):>7} {aa_s:>12} "
-                f"{_fmt(row.get('ratio_of_fastest')):>17} {_fmt(row.get('efficiency_of_fastest')):>6}",
+                f"{_fmt(row.get('ratio_of_fastest')):>17} {_fmt(row.get('efficiency_of_fastest')):>6} "
+                f"{_fmt(row.get('baseline_over_t1')):>8}",
                 file=sys.stderr,
             )
     print(json.dumps(result))
