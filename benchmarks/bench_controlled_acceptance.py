@@ -22,8 +22,8 @@ Rules of this script:
   token after the first); it counts work, so it credits no overlap of host and device
   work, and a contended machine still moves it (the A/A ratios say how much). Beside
   the medians it reports the ratio of each side's fastest run, the least-disturbed one.
-- `baseline_over_t1`: mlx-lm's loop per token over the calibrated one-token forward, on the
-  cell's clock. The ideal prices a plain token at t_1 (a forward behind its own sync);
+- `baseline_over_t1`: mlx-lm's loop per step (B tokens) over the calibrated one-token
+  forward, on the cell's clock. The ideal prices a plain token at t_1 (a forward behind its own sync);
   mlx-lm's loop builds token n + 1 while token n computes, so on a quiet machine it can
   pay less than t_1 (below 1: the efficiency is low by that factor, the cycle has no such
   overlap on a CPU), and on a loaded one its two busy threads pay more (above 1: the
@@ -143,7 +143,7 @@ def bench_family(family: str, path: str, args: argparse.Namespace) -> dict[str, 
             row = {name: getattr(measured, name) for name in FIELDS}
             table = bench.timings.get(args.k)
             if table is not None and row["baseline_tps"]:
-                row["baseline_over_t1"] = 1.0 / row["baseline_tps"] / table.at(size)[0].t_1
+                row["baseline_over_t1"] = size / row["baseline_tps"] / table.at(size)[0].t_1
         out["single" if size == 1 else f"batch{size}"] = row
     return out
 
@@ -239,7 +239,8 @@ def _cpu_cell(bench: Bench, size: int, k: int) -> dict[str, Any]:
         "plain_ms_per_token": statistics.median(per_token["plain"]) * 1e3,
         "mtp_ms_per_token": statistics.median(per_token["mtp"]) * 1e3,
         # mlx-lm's loop per token over the calibrated one-token forward (see baseline_over_t1)
-        "baseline_over_t1": statistics.median(per_token["plain"]) / t_1 if t_1 else None,
+        # a step of B rows makes B tokens
+        "baseline_over_t1": statistics.median(per_token["plain"]) * size / t_1 if t_1 else None,
     }
 
 
