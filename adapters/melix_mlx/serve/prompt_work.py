@@ -27,6 +27,11 @@ Rules of this module:
   at each step too: a longer final piece gives its head to the segment stage
   (`PrefillBudget.cut`), so joining costs at most one piece, whatever the rate was when
   the request was inserted (melix_mlx.serve.chunks cuts it once, at insertion).
+- A step in which a short prompt joins runs the segment stage after the join, on what the
+  join left of the budget (`cut`'s `share`): the short prompt's first token waits for the
+  step in flight only, not for a segment of the long prompt, and the long prompt still
+  progresses in that step. A join that left nothing makes the next step's segment stage
+  run before its join (the long prompt progresses at least every other step).
 """
 
 from __future__ import annotations
@@ -97,10 +102,10 @@ class PrefillBudget:
         shared = max(int(whole * share), min(PROBE, whole))  # a share is never cut below a probe
         return max(MIN_PIECE, min(self.chunk, 2 * latest, shared))
 
-    def cut(self, queue: Any, limit: int) -> list[Any]:
+    def cut(self, queue: Any, limit: int, share: float = 1.0) -> list[Any]:
         """The requests the next segment stage prefills (at most `limit`), each next segment
-        cut to its share of the budget; a final piece longer than its share gives its head
-        to the segment stage (see the module rules)."""
+        cut to its share of `share` of the budget (what a join left of it); a final piece
+        longer than its share gives its head to the segment stage (see the module rules)."""
         if self.budget_s is None:
             pending = [r for r in queue if r.segments][:limit]
             self._planned = {r.uid: len(r.segments[0]) for r in pending}
@@ -109,13 +114,13 @@ class PrefillBudget:
         self.rates = {uid: rate for uid, rate in self.rates.items() if uid in queued}  # joined or gone
         pending = [r for r in queue if r.segments or len(r.prompt) > self.piece(r.uid)][:limit]
         for request in pending:
-            share = self.piece(request.uid, 1.0 / len(pending))
+            tokens = self.piece(request.uid, share / len(pending))
             if not request.segments:  # the final piece: its head is prefilled now
-                request.segments.append(list(request.prompt[:share]))
-                request.prompt = request.prompt[share:]
+                request.segments.append(list(request.prompt[:tokens]))
+                request.prompt = request.prompt[tokens:]
             head = request.segments[0]
-            if len(head) > share:
-                request.segments[0:1] = [head[:share], head[share:]]
+            if len(head) > tokens:
+                request.segments[0:1] = [head[:tokens], head[tokens:]]
         self._planned = {r.uid: len(r.segments[0]) for r in pending}
         return pending
 

@@ -98,7 +98,8 @@ class ServingBatchGenerator(MTPBatchGenerator):
         super().__init__(*args, **kwargs)
         self.prefill_chunk = prefill_chunk
         self.budget = PrefillBudget(prefill_budget_s, prefill_chunk)
-        self._yielded = False  # the previous segment stage gave its budget to joining prompts
+        self._yielded = False  # the previous step's join took the whole budget (see _prefill_segments)
+        self._segments_after_join = False  # this step's segment stage runs after its admission
         self._boundaries: dict[int, set[int]] = {}  # uid -> real segment ends (see chunks)
         self.method = method  # what fills the head slot: "mtp" or "draft_model"
         self.contexts = contexts  # uid -> SpeculativeContext
@@ -138,13 +139,31 @@ class ServingBatchGenerator(MTPBatchGenerator):
         return uids
 
     def _prefill_segments(self) -> list[PromptProcessingBatch.Response]:
-        """The segment stage within the step's time budget (melix_mlx.serve.prompt_work); a
-        step in which a short prompt joins gives the budget to it, every other step at most."""
+        """The segment stage within the step's time budget (melix_mlx.serve.prompt_work). In a
+        step in which a short prompt joins, the stage runs after the admission, on what the
+        join left of the budget (`_admit`): the short prompt waits for no segment of the long
+        one. A join that took the whole budget holds the next step's join back behind its
+        segment (the long prompt progresses at least every other step)."""
         if self._joining() and not self._yielded:
-            self._yielded, self._held = True, set()
+            self._held, self._segments_after_join = set(), True
             return []
         self._yielded = False
-        pending = self.budget.cut(self._queue, self.prefill_batch_size)
+        return self._segment_stage(1.0)
+
+    def _admit(self, out: list[Any]) -> list[PromptProcessingBatch.Response]:
+        if not self._segments_after_join:
+            return super()._admit(out)
+        self._segments_after_join = False
+        with Clock() as clock:
+            responses = super()._admit(out)
+        left = 1.0 - clock.seconds / self.budget.budget_s
+        if left <= 0:
+            self._yielded = True
+            return responses
+        return responses + self._segment_stage(left)
+
+    def _segment_stage(self, share: float) -> list[PromptProcessingBatch.Response]:
+        pending = self.budget.cut(self._queue, self.prefill_batch_size, share)
         with Clock() as clock:
             responses = super()._prefill_segments()
         self.budget.observe(clock.seconds)
