@@ -153,20 +153,23 @@ def measured_efficiency(path: Path = EFFICIENCY_RESULTS) -> dict[str, str]:
                     text += f" ({quartiles[0]:.2f}-{quartiles[1]:.2f})"
                 figures.append(text)
             out.setdefault(family, []).append(
-                f"{_profile_label(name, profiles[name])}: {' / '.join(figures)}"
+                f"{_profile_label(name, profiles[name], cells)}: {' / '.join(figures)}"
             )
     return {family: " · ".join(parts) for family, parts in out.items()}
 
 
-def _profile_label(name: str, profile: dict) -> str:
-    """A profile's shape as the table shows it: `tiny`, or `h<hidden> x<layers>`."""
+def _profile_label(name: str, profile: dict, cells: dict) -> str:
+    """Where a figure comes from: the shape (`tiny`, or `h<hidden>, <layers> layers`), the
+    clock the cells were timed on and, where recorded, the machine's load average then."""
     shape = profile.get("shape") or {}
     hidden, layers = shape.get("hidden_size"), shape.get("num_hidden_layers")
-    if name == "tiny" or not (hidden or layers):
-        return "tiny"
-    return " ".join(
-        part for part in (f"h{hidden}" if hidden else "", f"{layers} layers" if layers else "") if part
-    )
+    parts = [f"h{hidden}" if hidden else "", f"{layers} layers" if layers else ""]
+    label = ", ".join(p for p in parts if p) if name != "tiny" and (hidden or layers) else "tiny"
+    label += f", {cells.get('clock', 'wall')} clock"
+    load = cells.get("load_average")
+    if load:
+        label += f", load {max(load['start'][0], load['end'][0]):.1f}"
+    return label
 
 
 # -- the CLI reference -------------------------------------------------------------
