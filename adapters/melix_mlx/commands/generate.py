@@ -173,12 +173,9 @@ def _checked(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
     """(prompts, mlx-lm KV keyword arguments); raises ValueError/OSError on bad input."""
     from melix_fsm.commands.options import kv_arguments
 
-    if args.max_tokens <= 0:
-        raise ValueError("--max-tokens must be > 0")
-    if args.temp < 0 or not 0 <= args.top_p <= 1:
-        raise ValueError("--temp must be >= 0 and --top-p within [0, 1]")
-    if args.stagger < 0:
-        raise ValueError("--stagger must be >= 0")
+    from .generate_decode import check_decode_settings
+
+    check_decode_settings(args)
     if args.prefill_step_size <= 0 or (args.max_kv_size is not None and args.max_kv_size <= 0):
         raise ValueError("--prefill-step-size and --max-kv-size must be > 0")
     kv = kv_arguments(args)

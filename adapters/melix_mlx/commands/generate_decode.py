@@ -95,6 +95,16 @@ def decode_batched(
     return results
 
 
+def check_decode_settings(args: Any) -> None:
+    """The settings every decode path checks (the text path and --vision); ValueError if bad."""
+    if args.max_tokens <= 0:
+        raise ValueError("--max-tokens must be > 0")
+    if args.temp < 0 or not 0 <= args.top_p <= 1:
+        raise ValueError("--temp must be >= 0 and --top-p within [0, 1]")
+    if args.stagger < 0:
+        raise ValueError("--stagger must be >= 0")
+
+
 def drive_batch(
     gen: Any,
     results: list[dict[str, Any]],

@@ -41,6 +41,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.server import ResponseGenerator
 
 from melix_fsm.errors import MelixError
@@ -143,3 +144,54 @@ class Clock:
 
     def __exit__(self, *exc: Any) -> None:
         self.seconds = time.perf_counter() - self.start
+
+
+class BudgetedPrefill:
+    """The serving batch generator's segment stage and admission, ordered by the budget (see
+    the module rules); mixed into melix_mlx.serve.runtime.ServingBatchGenerator, whose
+    `budget` (PrefillBudget) and `metrics` it uses."""
+
+    _yielded = False  # the previous step's join took the whole budget (see _prefill_segments)
+    _segments_after_join = False  # this step's segment stage runs after its admission
+
+    def _prefill_segments(self) -> list[PromptProcessingBatch.Response]:
+        """The segment stage within the step's time budget (see the module rules). In a
+        step in which a short prompt joins, the stage runs after the admission, on what the
+        join left of the budget (`_admit`): the short prompt waits for no segment of the long
+        one. A join that took the whole budget holds the next step's join back behind its
+        segment (the long prompt progresses at least every other step)."""
+        if self._joining() and not self._yielded:
+            self._held, self._segments_after_join = set(), True
+            return []
+        self._yielded = False
+        return self._segment_stage(1.0)
+
+    def _admit(self, out: list[Any]) -> list[PromptProcessingBatch.Response]:
+        if not self._segments_after_join:
+            return super()._admit(out)
+        self._segments_after_join = False
+        with Clock() as clock:
+            responses = super()._admit(out)
+        left = 1.0 - clock.seconds / self.budget.budget_s
+        if left <= 0:
+            self._yielded = True
+            return responses
+        return responses + self._segment_stage(left)
+
+    def _segment_stage(self, share: float) -> list[PromptProcessingBatch.Response]:
+        pending = self.budget.cut(self._queue, self.prefill_batch_size, share)
+        with Clock() as clock:
+            responses = super()._prefill_segments()
+        self.budget.observe(clock.seconds)
+        if pending:
+            self.metrics.observe_segment(clock.seconds)
+        return responses
+
+    def _joining(self) -> bool:
+        """A queued prompt joins in this step's admission, within one piece, while others wait
+        for the segment stage (a time budget only: ranks cut the same chunks every step)."""
+        if self.budget.budget_s is None or self.steps.ahead is not None:
+            return False
+        if len(self.batch) >= self.completion_batch_size or not any(r.segments for r in self._queue):
+            return False
+        return any(not r.segments and len(r.prompt) <= self.budget.piece(r.uid) for r in self._queue)

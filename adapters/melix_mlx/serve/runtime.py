@@ -18,10 +18,9 @@ Rules of this module:
   here, where an empty or too long prompt is refused (`PromptRejected`, a 400).
 - Fair prefill (melix_mlx.serve.chunks, prompt_work): each step prefills what its time
   budget allows (`PrefillBudget`; ranks cut fixed chunks) between the decode steps;
-  only real segment boundaries are reported to mlx-lm's loop as such. A step in which a
-  prompt that fits one piece joins the batch skips the segment stage (never two steps
-  running), so a short request's first token waits for its own prefill, not also for a
-  long prompt's piece; each step's prefill time goes to /metrics.
+  only real segment boundaries are reported to mlx-lm's loop as such; a short prompt
+  joins before the step's segment stage (`BudgetedPrefill`); each step's prefill time
+  goes to /metrics.
 - Cancellation in any state: a stopped context's row leaves at its next response (mlx-lm's
   loop); a stopped request still waiting in the generator's queue is removed there
   (`remove`) and given a progress response, so the loop forgets it.
@@ -63,7 +62,7 @@ from .chunks import split_segments
 from .images import image_safe, no_image_parts, row_caches
 from .memory import MemoryTrim
 from .plain_path import PartialHits
-from .prompt_work import Clock, PrefillBudget, tokenize
+from .prompt_work import BudgetedPrefill, PrefillBudget, tokenize
 from .request_queue import AsyncResponseQueue, RequestCancelled, SpeculativeContext
 from .seeded import row_processors, row_sampler
 from .usage import PLAIN_PATH_REASON, speculative_usage
@@ -81,7 +80,7 @@ def rebind(function: Any, **names: Any) -> Any:
     )
 
 
-class ServingBatchGenerator(MTPBatchGenerator):
+class ServingBatchGenerator(BudgetedPrefill, MTPBatchGenerator):
     """MTPBatchGenerator plus the server's bookkeeping: contexts, usage, metrics, failures."""
 
     def __init__(
@@ -98,8 +97,6 @@ class ServingBatchGenerator(MTPBatchGenerator):
         super().__init__(*args, **kwargs)
         self.prefill_chunk = prefill_chunk
         self.budget = PrefillBudget(prefill_budget_s, prefill_chunk)
-        self._yielded = False  # the previous step's join took the whole budget (see _prefill_segments)
-        self._segments_after_join = False  # this step's segment stage runs after its admission
         self._boundaries: dict[int, set[int]] = {}  # uid -> real segment ends (see chunks)
         self.method = method  # what fills the head slot: "mtp" or "draft_model"
         self.contexts = contexts  # uid -> SpeculativeContext
@@ -137,48 +134,6 @@ class ServingBatchGenerator(MTPBatchGenerator):
             if ctx is not None:
                 self.contexts[uid] = ctx
         return uids
-
-    def _prefill_segments(self) -> list[PromptProcessingBatch.Response]:
-        """The segment stage within the step's time budget (melix_mlx.serve.prompt_work). In a
-        step in which a short prompt joins, the stage runs after the admission, on what the
-        join left of the budget (`_admit`): the short prompt waits for no segment of the long
-        one. A join that took the whole budget holds the next step's join back behind its
-        segment (the long prompt progresses at least every other step)."""
-        if self._joining() and not self._yielded:
-            self._held, self._segments_after_join = set(), True
-            return []
-        self._yielded = False
-        return self._segment_stage(1.0)
-
-    def _admit(self, out: list[Any]) -> list[PromptProcessingBatch.Response]:
-        if not self._segments_after_join:
-            return super()._admit(out)
-        self._segments_after_join = False
-        with Clock() as clock:
-            responses = super()._admit(out)
-        left = 1.0 - clock.seconds / self.budget.budget_s
-        if left <= 0:
-            self._yielded = True
-            return responses
-        return responses + self._segment_stage(left)
-
-    def _segment_stage(self, share: float) -> list[PromptProcessingBatch.Response]:
-        pending = self.budget.cut(self._queue, self.prefill_batch_size, share)
-        with Clock() as clock:
-            responses = super()._prefill_segments()
-        self.budget.observe(clock.seconds)
-        if pending:
-            self.metrics.observe_segment(clock.seconds)
-        return responses
-
-    def _joining(self) -> bool:
-        """A queued prompt joins in this step's admission, within one piece, while others wait
-        for the segment stage (a time budget only: ranks cut the same chunks every step)."""
-        if self.budget.budget_s is None or self.steps.ahead is not None:
-            return False
-        if len(self.batch) >= self.completion_batch_size or not any(r.segments for r in self._queue):
-            return False
-        return any(not r.segments and len(r.prompt) <= self.budget.piece(r.uid) for r in self._queue)
 
     def _guard(self, uid: int, processor: Any) -> Any:
         def guarded(tokens: Any, logits: Any) -> Any:

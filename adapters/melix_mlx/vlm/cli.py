@@ -65,12 +65,9 @@ def read_rows(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
 
 
 def _checked(args: argparse.Namespace) -> None:
-    if args.max_tokens <= 0:
-        raise ValueError("--max-tokens must be > 0")
-    if args.temp < 0 or not 0 <= args.top_p <= 1:
-        raise ValueError("--temp must be >= 0 and --top-p within [0, 1]")
-    if args.stagger < 0:
-        raise ValueError("--stagger must be >= 0")
+    from ..commands.generate_decode import check_decode_settings
+
+    check_decode_settings(args)
     if args.sharding is not None:
         raise ValueError("--vision decodes in one process (no --sharding)")
     if args.method == "draft_model" or args.draft_model:
