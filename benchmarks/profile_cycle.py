@@ -18,7 +18,7 @@ Rules of this script:
   calibrated one-slot head step.
 - Nothing here is a pass/fail figure: it says where to look. On a shared machine the CPU
   clocks move less than the wall clock, not nothing (two busy threads cost more CPU than
-  one); the load average is printed.
+  one), and the fastest wall-clock run is the least disturbed; the load average is printed.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \\
       python benchmarks/profile_cycle.py step3p5 glm_moe_dsa
@@ -99,7 +99,8 @@ def graph_ops(model: Any, draft: Any, prompt: list[int], forwards: tuple) -> dic
 
 
 def timings(model: Any, draft: Any, head: Any, prompt: list[int], n: int, rounds: int) -> dict[str, Any]:
-    """Median CPU ms (process | main thread) of each piece, interleaved round after round."""
+    """Per piece, interleaved round after round: the median CPU ms of the process and of the
+    main thread, and the fastest wall-clock ms (the least-disturbed run on a shared machine)."""
     head_cache = draft.make_cache()
     fn_1, fn_verify, fn_head = build_forwards(
         model, draft, k=K, prompt_len=len(prompt) + n // 2, head_cache=head_cache
@@ -116,15 +117,14 @@ def timings(model: Any, draft: Any, head: Any, prompt: list[int], n: int, rounds
         mx.eval(mx.argmax(logits, axis=-1), out)
         rollback.trim_all(head_cache, K + 1)
 
-    def clocks() -> tuple[float, float]:
-        return time.process_time(), time.thread_time()
+    def clocks() -> tuple[float, ...]:
+        return time.process_time(), time.thread_time(), time.perf_counter()
 
     def timed(fn: Any) -> Any:
-        def run() -> tuple[float, float]:
+        def run() -> tuple[float, ...]:
             start = clocks()
             fn()
-            end = clocks()
-            return end[0] - start[0], end[1] - start[1]
+            return tuple(b - a for a, b in zip(start, clocks()))
 
         return run
 
@@ -133,20 +133,19 @@ def timings(model: Any, draft: Any, head: Any, prompt: list[int], n: int, rounds
         for _ in range(K):
             fn_head()
 
-    def per_step(steps: Any, count: Any) -> tuple[float, float]:
-        """CPU per step after the first token (the prefill and the decoder's setup left out)."""
+    def per_step(steps: Any, count: Any) -> tuple[float, ...]:
+        """Time per step after the first token (the prefill and the decoder's setup left out)."""
         next(steps)
         start = clocks()
         for _ in steps:
             pass
-        end = clocks()
-        return (end[0] - start[0]) / count(), (end[1] - start[1]) / count()
+        return tuple((b - a) / count() for a, b in zip(start, clocks()))
 
-    def cycle() -> tuple[float, float]:
+    def cycle() -> tuple[float, ...]:
         decoder = MTPDecoder(model, draft, num_draft_tokens=K)
         return per_step(decoder.generate(mx.array(prompt), n), lambda: decoder.stats["cycles"])
 
-    def plain() -> tuple[float, float]:
+    def plain() -> tuple[float, ...]:
         return per_step(generate_step(mx.array(prompt), model, max_tokens=n), lambda: n - 1)
 
     pieces = {
@@ -157,14 +156,17 @@ def timings(model: Any, draft: Any, head: Any, prompt: list[int], n: int, rounds
         "cycle": cycle,
         "plain": plain,
     }
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in pieces}
+    samples: dict[str, list[tuple[float, ...]]] = {name: [] for name in pieces}
     for r in range(rounds + 1):
         for name, fn in pieces.items():
             measured = fn()
             if r:  # the first round warms up
                 samples[name].append(measured)
     return {
-        name: [statistics.median(s[i] for s in values) * 1e3 for i in (0, 1)]
+        name: [
+            *(statistics.median(s[i] for s in values) * 1e3 for i in (0, 1)),
+            min(s[2] for s in values) * 1e3,
+        ]
         for name, values in samples.items()
     }
 
@@ -195,14 +197,16 @@ def main() -> None:
                 f"{counts['cycle']} ({counts['cycle'] / counts['priced'] - 1:+.1%}): {counts['extra']}"
             )
             print(
-                f"  CPU ms, process | main thread (load {load:.2f} -> {os.getloadavg()[0]:.2f}): "
-                + ", ".join(f"{name} {v[0]:.2f} | {v[1]:.2f}" for name, v in t.items())
+                f"  ms, process CPU | main-thread CPU | fastest wall (load {load:.2f} -> "
+                f"{os.getloadavg()[0]:.2f}): "
+                + ", ".join(f"{name} {v[0]:.2f} | {v[1]:.2f} | {v[2]:.2f}" for name, v in t.items())
             )
             print(
-                f"  cycle / trio {t['cycle'][0] / t['trio'][0]:.2f} | {t['cycle'][1] / t['trio'][1]:.2f}; "
-                f"plain per token / t_1 {t['plain'][0] / t['t_1'][0]:.2f} | "
-                f"{t['plain'][1] / t['t_1'][1]:.2f}; "
-                f"catch-up / head step {t['catch_up'][0] / t['head'][0]:.2f}",
+                "  cycle / trio "
+                + " | ".join(f"{t['cycle'][i] / t['trio'][i]:.2f}" for i in range(3))
+                + "; plain per token / t_1 "
+                + " | ".join(f"{t['plain'][i] / t['t_1'][i]:.2f}" for i in range(3))
+                + f"; catch-up / head step {t['catch_up'][0] / t['head'][0]:.2f}",
                 flush=True,
             )
 
