@@ -88,7 +88,9 @@ def stream(
         for line in response.fp:
             if line.startswith(b": keepalive ") and holder is not None:  # prefill progress: done/total
                 holder["progress"] = [int(n) for n in line.split()[-1].split(b"/")]
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+            if line.startswith(b"data: [DONE]"):
+                break  # the stream's end: the connection itself stays open (keep-alive)
+            if not line.startswith(b"data: "):
                 continue
             choice = (json.loads(line[6:]).get("choices") or [{}])[0]
             text = choice.get("text") or (choice.get("delta") or {}).get("content")
