@@ -33,7 +33,8 @@ bound, the server's requests by final state. Exit 1 when anything was unexpected
 answer mismatched, the cache exceeded its bound, or the slope is above `--max-slope`.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \\
-        python benchmarks/soak_serve.py --minutes 60 --out benchmarks/results/serve/soak-60min.json
+        python benchmarks/soak_serve.py --minutes 60 --sample-s 5 \\
+        --out benchmarks/results/serve/soak-60min.json
 """
 
 from __future__ import annotations
