@@ -635,7 +635,11 @@ def main() -> int:
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "server_command": " ".join(command),
         "regime": "openblas-1-thread" if "openblas" in os.environ.get("LD_PRELOAD", "") else "reference-blas",
-        "env": {k: os.environ[k] for k in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS") if k in os.environ},
+        "env": {
+            k: v
+            for k, v in os.environ.items()
+            if k in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS") or k.startswith("MALLOC_")
+        },
         "machine": f"{os.cpu_count()} cpus, shared with other engineers' work (contended)",
         "duration_s": round(duration, 1),
         "clients": args.clients,
