@@ -18,9 +18,9 @@ Rules of this module:
   here, where an empty or too long prompt is refused (`PromptRejected`, a 400).
 - Fair prefill (melix_mlx.serve.chunks, prompt_work): each step prefills what its time
   budget allows (`PrefillBudget`; ranks cut fixed chunks) between the decode steps;
-  only real segment boundaries are reported to mlx-lm's loop as such; a short prompt
-  joins before the step's segment stage (`BudgetedPrefill`); each step's prefill time
-  goes to /metrics.
+  only real segment boundaries are reported to mlx-lm's loop as such; a step in which a
+  short prompt joins skips the segment stage, every other step at most
+  (`BudgetedPrefill`); each step's prefill time goes to /metrics.
 - Cancellation in any state: a stopped context's row leaves at its next response (mlx-lm's
   loop); a stopped request still waiting in the generator's queue is removed there
   (`remove`) and given a progress response, so the loop forgets it.
