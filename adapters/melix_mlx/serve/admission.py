@@ -46,13 +46,21 @@ class Admission:
         if not self.generator.generation_available():
             raise ApiError(503, "the generation thread is not running", code="unavailable")
         if len(self.live) >= self.capacity:
-            raise ApiError(429, "too many requests in flight; retry later", code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise ApiError(
+                429,
+                "too many requests in flight; retry later",
+                code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         try:
             self.generator.submit(sub.queue, sub.parsed.request, sub.parsed.args)
         except queue.Full:
-            raise ApiError(429, "the request queue is full; retry later", code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            raise ApiError(
+                429,
+                "the request queue is full; retry later",
+                code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
         self.live.add(sub)
         self.metrics.in_flight.set(len(self.live))
 

@@ -52,12 +52,29 @@ GRACE_S = 5.0  # uvicorn waits this long past the drain timeout before it cancel
 def mlx_settings(served: ServedModel, *, max_batch_size: int, max_tokens: int = 512) -> argparse.Namespace:
     """mlx-lm server settings (its CLI defaults) for this served model."""
     return argparse.Namespace(
-        model=str(served.path), adapter_path=None, draft_model=None,
-        num_draft_tokens=served.num_draft_tokens, trust_remote_code=False, chat_template="",
-        use_default_chat_template=False, allowed_origins=[], temp=0.0, top_p=1.0, top_k=0, min_p=0.0,
-        max_tokens=max_tokens, chat_template_args={}, decode_concurrency=max_batch_size,
-        prompt_concurrency=min(8, max_batch_size), prefill_step_size=2048, prompt_cache_size=10,
-        prompt_cache_bytes=None, kv_bits=None, kv_group_size=64, quantized_kv_start=0, pipeline=False,
+        model=str(served.path),
+        adapter_path=None,
+        draft_model=None,
+        num_draft_tokens=served.num_draft_tokens,
+        trust_remote_code=False,
+        chat_template="",
+        use_default_chat_template=False,
+        allowed_origins=[],
+        temp=0.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        max_tokens=max_tokens,
+        chat_template_args={},
+        decode_concurrency=max_batch_size,
+        prompt_concurrency=min(8, max_batch_size),
+        prefill_step_size=2048,
+        prompt_cache_size=10,
+        prompt_cache_bytes=None,
+        kv_bits=None,
+        kv_group_size=64,
+        quantized_kv_start=0,
+        pipeline=False,
     )
 
 
@@ -160,32 +177,51 @@ def start_server(
     sock = _bind(host, port)
     capacity = max_batch_size + limits.max_queue
     generator = start_generator(
-        served, max_batch_size=max_batch_size, limits=limits, names=(name, *names),
-        generator_class=generator_class, **(generator_options or {}),
+        served,
+        max_batch_size=max_batch_size,
+        limits=limits,
+        names=(name, *names),
+        generator_class=generator_class,
+        **(generator_options or {}),
     )
     metrics = generator.metrics
     state = ServeState(
-        generator=generator, metrics=metrics, admission=Admission(generator, metrics, capacity),
-        limits=limits, served=served, names=list(dict.fromkeys((name, *names))),
+        generator=generator,
+        metrics=metrics,
+        admission=Admission(generator, metrics, capacity),
+        limits=limits,
+        served=served,
+        names=list(dict.fromkeys((name, *names))),
         vocab=vocabulary_size(served.model) or 1 << 31,
-        defaults=Defaults(max_tokens=min(settings.max_tokens, limits.max_tokens_limit),
-                          num_draft_tokens=served.num_draft_tokens),
+        defaults=Defaults(
+            max_tokens=min(settings.max_tokens, limits.max_tokens_limit),
+            num_draft_tokens=served.num_draft_tokens,
+        ),
         ranks=generator.ranks,
     )
     app = build_app(state, api_key=api_key, allowed_origins=allowed_origins)
     protocol = type("Protocol", (HeadTimeoutProtocol,), {"head_timeout_s": limits.head_timeout_s})
     config = uvicorn.Config(
-        app, http=protocol, log_level="warning", access_log=False, server_header=False, date_header=True,
-        limit_concurrency=limits.limit_concurrency, timeout_keep_alive=limits.timeout_keep_alive_s,
-        h11_max_incomplete_event_size=limits.max_header_bytes, backlog=BACKLOG,
-        timeout_graceful_shutdown=limits.drain_timeout_s + GRACE_S, lifespan="off",
+        app,
+        http=protocol,
+        log_level="warning",
+        access_log=False,
+        server_header=False,
+        date_header=True,
+        limit_concurrency=limits.limit_concurrency,
+        timeout_keep_alive=limits.timeout_keep_alive_s,
+        h11_max_incomplete_event_size=limits.max_header_bytes,
+        backlog=BACKLOG,
+        timeout_graceful_shutdown=limits.drain_timeout_s + GRACE_S,
+        lifespan="off",
     )
     server = DrainingServer(config)
     server.admission, server.drain_timeout_s = state.admission, limits.drain_timeout_s
     thread = None
     if background:
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="melix-serve-http",
-                                  daemon=True)
+        thread = threading.Thread(
+            target=server.run, kwargs={"sockets": [sock]}, name="melix-serve-http", daemon=True
+        )
         thread.start()
         deadline = time.monotonic() + START_TIMEOUT_S
         while not server.started and thread.is_alive() and time.monotonic() < deadline:
@@ -209,9 +245,14 @@ def start_generator(
     prompt_cache = LRUPromptCache(settings.prompt_cache_size)
     metrics.watch_prompt_cache(prompt_cache)
     return generator_class(
-        provider, prompt_cache, metrics,
-        queue_size=max_batch_size + limits.max_queue, prefill_chunk=limits.prefill_chunk_tokens,
-        prefill_budget_s=limits.prefill_budget_s, memory_trim_s=limits.memory_trim_s, **options,
+        provider,
+        prompt_cache,
+        metrics,
+        queue_size=max_batch_size + limits.max_queue,
+        prefill_chunk=limits.prefill_chunk_tokens,
+        prefill_budget_s=limits.prefill_budget_s,
+        memory_trim_s=limits.memory_trim_s,
+        **options,
     )
 
 

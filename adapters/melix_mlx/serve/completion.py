@@ -83,8 +83,9 @@ class Assembler:
             self.finish_reason = "tool_calls"
 
     def _take(self, finish_reason: str | None) -> dict[str, Any]:
-        chunk = self.response(self.text, finish_reason, tool_calls=self.tools(self.tool_calls),
-                              reasoning=self.reasoning)
+        chunk = self.response(
+            self.text, finish_reason, tool_calls=self.tools(self.tool_calls), reasoning=self.reasoning
+        )
         self.text = self.reasoning = ""
         self.tool_calls = []
         return chunk
@@ -100,15 +101,18 @@ class Assembler:
     def whole(self) -> dict[str, Any]:
         """The non-streamed response."""
         self._close()
-        out = self.response(self.text, self.finish_reason, tool_calls=self.tools(self.tool_calls),
-                            reasoning=self.reasoning)
+        out = self.response(
+            self.text, self.finish_reason, tool_calls=self.tools(self.tool_calls), reasoning=self.reasoning
+        )
         out["usage"] = self.usage()
         return out
 
     def usage(self) -> dict[str, Any]:
         prompt, completion = len(self.ctx.prompt), len(self.tokens)
         usage: dict[str, Any] = {
-            "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
         }
         if self.ctx.prompt_cache_count is not None and self.ctx.prompt_cache_count >= 0:
             usage["prompt_tokens_details"] = {"cached_tokens": self.ctx.prompt_cache_count}

@@ -27,8 +27,12 @@ OVER_CAPACITY = "too many connections; retry later"
 
 async def over_capacity(send: Any, path: str = "") -> None:
     body = json.dumps(body_for(path, 503, OVER_CAPACITY, code="over_capacity")).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"retry-after", b"1"), (b"connection", b"close")]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"retry-after", b"1"),
+        (b"connection", b"close"),
+    ]
     await send({"type": "http.response.start", "status": 503, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -84,8 +88,11 @@ class HeadTimeoutProtocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         body = json.dumps(error_body(400, f"malformed HTTP request: {msg}", code="bad_http")).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
         start = h11.Response(status_code=400, headers=headers, reason=b"Bad Request")
         for event in (start, h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))

@@ -92,8 +92,9 @@ def anthropic_body(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-def body_for(path: str, status: int, message: str, param: str | None = None,
-             code: str | None = None) -> dict[str, Any]:
+def body_for(
+    path: str, status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     """The error body in the shape `path`'s API uses."""
     if anthropic_path(path):
         return anthropic_body(status, message)

@@ -70,8 +70,14 @@ def check(limits: ServeLimits) -> list[str]:
     """What is wrong with these limits (as flag messages); empty when they are usable."""
     problems = []
     for name in (
-        "max_body_bytes", "max_tokens_limit", "max_stop", "max_stop_chars", "max_messages",
-        "prefill_chunk_tokens", "limit_concurrency", "max_header_bytes",
+        "max_body_bytes",
+        "max_tokens_limit",
+        "max_stop",
+        "max_stop_chars",
+        "max_messages",
+        "prefill_chunk_tokens",
+        "limit_concurrency",
+        "max_header_bytes",
     ):
         if getattr(limits, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1")
@@ -82,8 +88,13 @@ def check(limits: ServeLimits) -> list[str]:
         problems.append("--memory-trim-interval must be >= 0")
     if limits.timeout_keep_alive_s < 0:
         problems.append("--keep-alive-timeout must be >= 0")
-    for name in ("request_timeout_s", "drain_timeout_s", "head_timeout_s", "body_timeout_s",
-                 "prefill_budget_s"):
+    for name in (
+        "request_timeout_s",
+        "drain_timeout_s",
+        "head_timeout_s",
+        "body_timeout_s",
+        "prefill_budget_s",
+    ):
         if not getattr(limits, name) > 0:
             problems.append(f"--{name.replace('_s', '').replace('_', '-')} must be > 0")
     if limits.max_prompt_tokens is not None and limits.max_prompt_tokens < 1:

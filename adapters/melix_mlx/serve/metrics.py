@@ -97,7 +97,8 @@ class ServeMetrics:
         for state in ("finished", "cancelled", "failed"):
             self.requests.labels(state=state)
         self.acceptance = Gauge(
-            "melix_speculative_acceptance_rate", "Accepted over verified drafts since start (NaN before)",
+            "melix_speculative_acceptance_rate",
+            "Accepted over verified drafts since start (NaN before)",
             registry=r,
         )
         self.tokens_per_second = Gauge(
@@ -106,11 +107,14 @@ class ServeMetrics:
         self.rows = Gauge("melix_batch_rows", "Rows in the batch, by lifecycle state", ["state"], registry=r)
         self.peak_rows = Gauge("melix_batch_rows_peak", "Most rows decoded together since start", registry=r)
         self.segments = Histogram(
-            "melix_prefill_segment_seconds", "Seconds of each prefill segment (one step's prompt work)",
-            buckets=SEGMENT_BUCKETS, registry=r,
+            "melix_prefill_segment_seconds",
+            "Seconds of each prefill segment (one step's prompt work)",
+            buckets=SEGMENT_BUCKETS,
+            registry=r,
         )
-        self.segment_max = Gauge("melix_prefill_segment_seconds_max", "The longest prefill segment",
-                                 registry=r)
+        self.segment_max = Gauge(
+            "melix_prefill_segment_seconds_max", "The longest prefill segment", registry=r
+        )
         self.info = Gauge(
             "melix_speculation_method", "1 for the method this server decodes with", ["method"], registry=r
         )

@@ -48,9 +48,11 @@ class Guard:
             bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
             keyed = hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.api_key)
             if not (bearer or keyed):
-                return 401, "a valid API key is required (Authorization: Bearer, or x-api-key)", [
-                    (b"www-authenticate", b"Bearer")
-                ]
+                return (
+                    401,
+                    "a valid API key is required (Authorization: Bearer, or x-api-key)",
+                    [(b"www-authenticate", b"Bearer")],
+                )
         if scope.get("method") == "POST":
             kind = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
             if kind != b"application/json":

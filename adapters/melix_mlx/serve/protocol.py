@@ -109,8 +109,9 @@ def logit_bias(value: Any, vocab: int, limit: int) -> dict[int, float] | None:
             raise ApiError(400, f"logit_bias key {str(key)[:20]!r} is not a token id", param="logit_bias")
         token = int(text)
         if not 0 <= token < vocab:
-            raise ApiError(400, f"logit_bias token {token} is outside the vocabulary [0, {vocab})",
-                           param="logit_bias")
+            raise ApiError(
+                400, f"logit_bias token {token} is outside the vocabulary [0, {vocab})", param="logit_bias"
+            )
         if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
             raise ApiError(400, "logit_bias values must be finite numbers", param="logit_bias")
         out[token] = float(bias)
@@ -165,8 +166,9 @@ def _content(content: Any) -> None:
         if isinstance(part, dict) and part.get("type") == "image_url":
             continue  # checked against the served model's image bounds (melix_mlx.serve.images)
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise ApiError(400, "content parts must be text parts ({\"type\": \"text\", \"text\": ...})",
-                           param="messages")
+            raise ApiError(
+                400, 'content parts must be text parts ({"type": "text", "text": ...})', param="messages"
+            )
 
 
 def check_model(model: Any, names: list[str]) -> str:
@@ -174,8 +176,12 @@ def check_model(model: Any, names: list[str]) -> str:
     if not isinstance(model, str):
         raise ApiError(400, "model must be a string", param="model")
     if model != DEFAULT_MODEL and model not in names:
-        raise ApiError(404, f"model {model[:100]!r} is not served here (serving {names[0]})",
-                       param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"model {model[:100]!r} is not served here (serving {names[0]})",
+            param="model",
+            code="model_not_found",
+        )
     return names[0] if model == DEFAULT_MODEL else model
 
 
@@ -246,8 +252,11 @@ def parse(
     include_usage = bool(options and options.get("include_usage"))
     args = generation_arguments(body, limits=limits, vocab=vocab, defaults=defaults)
     request = completion_request(body, chat, limits)
-    prefix, kind = ("chatcmpl", "chat.completion.chunk" if stream else "chat.completion") if chat else (
-        "cmpl", "text_completion")
+    prefix, kind = (
+        ("chatcmpl", "chat.completion.chunk" if stream else "chat.completion")
+        if chat
+        else ("cmpl", "text_completion")
+    )
     return Parsed(request, args, stream, include_usage, shown, f"{prefix}-{uuid.uuid4()}", kind)
 
 
@@ -262,6 +271,9 @@ def _draft_tokens(body: dict, served: int) -> int:
     """The server's depth: a request may repeat it, never change it (it would be ignored)."""
     value = _typed(body, "num_draft_tokens", int, served, 0)
     if value != served:
-        raise ApiError(400, f"num_draft_tokens is the server's ({served}); set it with --num-draft-tokens",
-                       param="num_draft_tokens")
+        raise ApiError(
+            400,
+            f"num_draft_tokens is the server's ({served}); set it with --num-draft-tokens",
+            param="num_draft_tokens",
+        )
     return value

@@ -29,12 +29,16 @@ def _common(limits: ServeLimits, vocab: int) -> dict[str, Any]:
         "stop": {
             "oneOf": [
                 {"type": "string", "maxLength": limits.max_stop_chars},
-                {"type": "array", "maxItems": limits.max_stop,
-                 "items": {"type": "string", "maxLength": limits.max_stop_chars}},
+                {
+                    "type": "array",
+                    "maxItems": limits.max_stop,
+                    "items": {"type": "string", "maxLength": limits.max_stop_chars},
+                },
             ]
         },
         "logit_bias": {
-            "type": "object", "maxProperties": limits.max_logit_bias,
+            "type": "object",
+            "maxProperties": limits.max_logit_bias,
             "additionalProperties": {"type": "number"},
             "description": "token id (a decimal string inside the vocabulary) to bias",
         },
@@ -67,14 +71,30 @@ def chat_body(limits: ServeLimits, vocab: int) -> dict[str, Any]:
             "content": {
                 "oneOf": [
                     {"type": "string"},
-                    {"type": "array", "items": {"oneOf": [
-                        {"type": "object", "required": ["type", "text"],
-                         "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}},
-                        {"type": "object", "required": ["type", "image_url"],  # a --vision server's
-                         "properties": {"type": {"enum": ["image_url"]}, "image_url": {
-                             "type": "object", "required": ["url"], "properties": {"url": {"type": "string"}},
-                         }}},
-                    ]}},
+                    {
+                        "type": "array",
+                        "items": {
+                            "oneOf": [
+                                {
+                                    "type": "object",
+                                    "required": ["type", "text"],
+                                    "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
+                                },
+                                {
+                                    "type": "object",
+                                    "required": ["type", "image_url"],  # a --vision server's
+                                    "properties": {
+                                        "type": {"enum": ["image_url"]},
+                                        "image_url": {
+                                            "type": "object",
+                                            "required": ["url"],
+                                            "properties": {"url": {"type": "string"}},
+                                        },
+                                    },
+                                },
+                            ]
+                        },
+                    },
                 ]
             },
         },
@@ -87,38 +107,69 @@ def chat_body(limits: ServeLimits, vocab: int) -> dict[str, Any]:
 
 
 def _anthropic_conversation(limits: ServeLimits) -> dict[str, Any]:
-    text = {"type": "object", "required": ["type", "text"],
-            "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}
+    text = {
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
+    }
     texts = {"type": "array", "items": text}
-    tool_use = {"type": "object", "required": ["type", "id", "name", "input"],
-                "properties": {"type": {"enum": ["tool_use"]}, "id": {"type": "string"},
-                               "name": {"type": "string"}, "input": {"type": "object"}}}
-    tool_result = {"type": "object", "required": ["type", "tool_use_id"],
-                   "properties": {"type": {"enum": ["tool_result"]}, "tool_use_id": {"type": "string"},
-                                  "content": {"oneOf": [{"type": "string"}, texts]},
-                                  "is_error": {"type": "boolean"}}}
+    tool_use = {
+        "type": "object",
+        "required": ["type", "id", "name", "input"],
+        "properties": {
+            "type": {"enum": ["tool_use"]},
+            "id": {"type": "string"},
+            "name": {"type": "string"},
+            "input": {"type": "object"},
+        },
+    }
+    tool_result = {
+        "type": "object",
+        "required": ["type", "tool_use_id"],
+        "properties": {
+            "type": {"enum": ["tool_result"]},
+            "tool_use_id": {"type": "string"},
+            "content": {"oneOf": [{"type": "string"}, texts]},
+            "is_error": {"type": "boolean"},
+        },
+    }
     message = {
         "type": "object",
         "required": ["role", "content"],
         "properties": {
             "role": {"type": "string", "enum": ["user", "assistant"]},
-            "content": {"oneOf": [{"type": "string"},
-                                  {"type": "array", "items": {"oneOf": [text, tool_use, tool_result]}}]},
+            "content": {
+                "oneOf": [
+                    {"type": "string"},
+                    {"type": "array", "items": {"oneOf": [text, tool_use, tool_result]}},
+                ]
+            },
         },
     }
-    tool = {"type": "object", "required": ["name", "input_schema"],
-            "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 128},
-                           "description": {"type": "string"}, "input_schema": {"type": "object"}}}
+    tool = {
+        "type": "object",
+        "required": ["name", "input_schema"],
+        "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 128},
+            "description": {"type": "string"},
+            "input_schema": {"type": "object"},
+        },
+    }
     return {
         "model": {"type": "string"},
         "messages": {"type": "array", "minItems": 1, "maxItems": limits.max_messages, "items": message},
         "system": {"oneOf": [{"type": "string"}, {"type": "array", "items": text}]},
         "tools": {"type": "array", "items": tool},
-        "tool_choice": {"type": "object", "required": ["type"],
-                        "properties": {"type": {"enum": ["auto", "none"]}, "name": {"type": "string"}}},
-        "thinking": {"type": "object", "required": ["type"],
-                     "properties": {"type": {"enum": ["enabled", "disabled"]},
-                                    "budget_tokens": {"type": "integer"}}},
+        "tool_choice": {
+            "type": "object",
+            "required": ["type"],
+            "properties": {"type": {"enum": ["auto", "none"]}, "name": {"type": "string"}},
+        },
+        "thinking": {
+            "type": "object",
+            "required": ["type"],
+            "properties": {"type": {"enum": ["enabled", "disabled"]}, "budget_tokens": {"type": "integer"}},
+        },
     }
 
 
@@ -127,8 +178,11 @@ def messages_body(limits: ServeLimits, vocab: int) -> dict[str, Any]:
     properties = {
         **_anthropic_conversation(limits),
         "max_tokens": {"type": "integer", "minimum": 1, "maximum": limits.max_tokens_limit},
-        "stop_sequences": {"type": "array", "maxItems": limits.max_stop,
-                           "items": {"type": "string", "maxLength": limits.max_stop_chars}},
+        "stop_sequences": {
+            "type": "array",
+            "maxItems": limits.max_stop,
+            "items": {"type": "string", "maxLength": limits.max_stop_chars},
+        },
         "stream": {"type": "boolean"},
         "temperature": {"type": "number", "minimum": 0},
         "top_p": {"type": "number", "minimum": 0, "maximum": 1},
