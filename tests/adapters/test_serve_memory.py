@@ -77,17 +77,20 @@ def test_trim_returns_pages_a_live_block_pinned() -> None:
         pin = libc.malloc(64)
         for b in blocks:
             libc.free(b)
+        trim = memory.MemoryTrim(1.0)  # made first: nothing allocates between the two readings
         held = memory.resident_bytes()
-        trim = memory.MemoryTrim(1.0)
         trim.trim()
-        print(held - memory.resident_bytes(), trim.released, trim.trims)
+        after = memory.resident_bytes()  # read before print's own allocations
+        print(held - after, trim.released, trim.trims)
         """
     ) % (sys.path,)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     dropped, released, trims = map(int, out.stdout.split())
     assert dropped > 48 << 20, dropped  # most of the 64 MB went back
-    assert released == dropped and trims == 1
+    # the trim's own readings and the script's are a few statements apart: the interpreter
+    # may touch a page or two between them (it did, either way, on this machine)
+    assert abs(released - dropped) <= 16 * 4096 and trims == 1, (released, dropped)
 
 
 @pytest.mark.skipif(not (CKPT / "config.json").exists(), reason="no embedded checkpoint")

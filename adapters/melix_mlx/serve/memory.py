@@ -76,6 +76,13 @@ _MALLOC_TRIM = _malloc_trim()
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+def gauge(name: str, text: str, value: float) -> Any:
+    """One unlabelled gauge, as a custom collector yields it."""
+    family = GaugeMetricFamily(name, text)
+    family.add_metric([], float(value))
+    return family
+
+
 def resident_bytes() -> int | None:
     """This process's resident set (Linux's /proc/self/statm), None where there is none."""
     try:
@@ -153,9 +160,7 @@ class MemoryTrim:
                 self.interval_s if self.available else 0.0,
             ),
         ):
-            family = GaugeMetricFamily(name, text)
-            family.add_metric([], float(value))
-            yield family
+            yield gauge(name, text, value)
 
 
 _applied: list[int] = []  # the cache limit this process applied last (none: mlx's default)
@@ -166,13 +171,9 @@ class MemoryCollector:
 
     def collect(self) -> Iterator[Any]:
         for name, (text, value) in readings().items():
-            family = GaugeMetricFamily(name, text)
-            family.add_metric([], float(value))
-            yield family
+            yield gauge(name, text, value)
         if _applied:
-            family = GaugeMetricFamily("melix_mlx_cache_limit_bytes", "The bound on mlx's buffer cache")
-            family.add_metric([], float(_applied[-1]))
-            yield family
+            yield gauge("melix_mlx_cache_limit_bytes", "The bound on mlx's buffer cache", _applied[-1])
 
 
 def apply_cache_limit(limit_bytes: int) -> int:

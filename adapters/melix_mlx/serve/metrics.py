@@ -33,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from melix_fsm import lifecycle as lc
 from melix_fsm.lifecycle import State
 
-from .memory import MemoryCollector
+from .memory import MemoryCollector, gauge
 
 WINDOW_S = 5.0  # tokens/s is measured over the steps of the last WINDOW_S seconds
 SEGMENT_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
@@ -75,9 +75,7 @@ class _PromptCacheCollector:
             ("melix_prompt_cache_bytes", "Bytes held by the prompt cache", self.cache.nbytes),
             ("melix_prompt_cache_max_bytes", "The prompt cache's byte bound", self.cache.max_bytes),
         ):
-            family = GaugeMetricFamily(name, text)
-            family.add_metric([], float(value))
-            yield family
+            yield gauge(name, text, value)
 
 
 class ServeMetrics:
