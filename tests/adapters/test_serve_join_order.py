@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from melix_mlx.loading.checkpoints import EMBEDDED
+from melix_mlx.serve.prompt_work import PROBE
 
 CKPT = EMBEDDED["stdlib-tiny"]
 pytestmark = pytest.mark.skipif(not (CKPT / "config.json").exists(), reason="no embedded checkpoint")
@@ -47,3 +48,25 @@ def test_a_joining_step_runs_no_segment_and_the_next_step_runs_one() -> None:
     assert [r.uid for r in responses] == [long_uid, second]  # the long prompt's turn first
     done, total = responses[0].progress
     assert 0 < done < total
+
+
+def test_a_fresh_prompt_longer_than_the_probe_joins_whole_once_a_join_is_measured() -> None:
+    gen, tokenizer = generator(budget_s=5.0)
+    long_prompt = tokenizer.encode(" ".join(["The old king walked the long road home."] * 40))
+    (long_uid,) = gen.insert_segments([[long_prompt]], max_tokens=[1])
+    gen.next()
+    first = tokenizer.encode("Once upon a time, the old king walked the long road home.")  # within the probe
+    (first_uid,) = gen.insert_segments([[first]], max_tokens=[3])
+    responses, _ = gen.next()
+    assert [r.uid for r in responses] == [first_uid]
+    assert gen.budget.fresh is not None and gen.budget.fresh[1] == len(first)  # the join priced
+    gen.next()  # the long prompt's turn
+    medium = tokenizer.encode(
+        "A small fox ran across the field and into the wood, where the old king walked the long road home."
+    )
+    assert PROBE < len(medium) <= 2 * len(first)
+    (medium_uid,) = gen.insert_segments([[medium]], max_tokens=[3])
+    responses, generation = gen.next()
+    assert [r.uid for r in responses] == [medium_uid]  # whole, in one step: no probe first
+    assert medium_uid in [r.uid for r in generation]
+    assert gen.budget.fresh[1] == len(medium)

@@ -248,8 +248,8 @@ def test_the_budget_follows_each_request_and_cuts_final_pieces() -> None:
     from melix_mlx.serve.prompt_work import PROBE, PrefillBudget
 
     budget = PrefillBudget(0.25, 256)
-    long = SimpleNamespace(uid=1, segments=[], prompt=list(range(1000)))
-    short = SimpleNamespace(uid=2, segments=[], prompt=list(range(10)))
+    long = SimpleNamespace(uid=1, segments=[], prompt=list(range(1000)), all_tokens=[], cache=None)
+    short = SimpleNamespace(uid=2, segments=[], prompt=list(range(10)), all_tokens=[], cache=None)
     assert budget.cut([long, short], 8) == [long]  # the short prompt joins whole
     assert long.segments == [list(range(PROBE))] and len(long.prompt) == 1000 - PROBE
     budget.observe(0.01)  # 3,200 tokens/s: the next piece at most doubles
@@ -259,3 +259,59 @@ def test_the_budget_follows_each_request_and_cuts_final_pieces() -> None:
     budget.observe(2.0)  # 32 tokens/s (a long context): 8 tokens fit 0.25 s
     assert budget.piece(1) == 8 and budget.piece(99) == PROBE
     assert budget.cut([short], 8) == [] and 1 not in budget.rates  # gone from the queue: forgotten
+
+
+def test_a_measured_join_prices_the_first_piece_of_fresh_prompts_only() -> None:
+    """PrefillBudget alone: before any join a fresh prompt gets the probe; a join's rate then
+    prices fresh prompts, at most twice the tokens the join attended to; a prompt with
+    context, or a request measured on its own pieces, is not priced by it."""
+    from types import SimpleNamespace
+
+    from melix_mlx.serve.prompt_work import PROBE, PrefillBudget
+
+    budget = PrefillBudget(0.25, 256)
+    assert budget.piece(fresh=True) == PROBE
+    budget.observe_join(tokens=45, attended=45, seconds=0.01)  # 4,500 tokens/s
+    assert budget.piece(fresh=True) == 90 and budget.piece() == PROBE  # doubling; context: a probe
+    budget.observe_join(tokens=200, attended=200, seconds=0.2)  # 1,000 tokens/s: 250 fit 0.25 s
+    assert budget.piece(fresh=True) == 250
+    fresh = SimpleNamespace(uid=3, segments=[], prompt=list(range(80)), all_tokens=[], cache=None)
+    cached = SimpleNamespace(uid=4, segments=[], prompt=list(range(80)), all_tokens=[1, 2], cache=None)
+    assert budget.cut([fresh, cached], 8) == [cached]  # the fresh one joins whole
+    assert cached.segments == [list(range(PROBE))]  # with context: its probe goes through the segment stage
+
+
+def test_a_request_arriving_mid_batch_is_inserted_before_the_next_step(
+    served: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mlx-lm's loop takes new requests only between its turns; a turn is one generator
+    step here (mlx-lm's own turn runs steps for 0.5 s: on this model about a hundred, all
+    of them before the newcomer's prefill). Counted in steps, not timed."""
+    from melix_mlx.serve.runtime import ServingBatchGenerator, ServingResponseGenerator
+
+    events: list[str] = []
+    step, insert, submit = (
+        ServingBatchGenerator.next,
+        ServingBatchGenerator.insert_segments,
+        ServingResponseGenerator.submit,
+    )
+    monkeypatch.setattr(ServingBatchGenerator, "next", lambda self: events.append("step") or step(self))
+    monkeypatch.setattr(
+        ServingBatchGenerator,
+        "insert_segments",
+        lambda self, *a, **k: events.append("insert") or insert(self, *a, **k),
+    )
+    monkeypatch.setattr(
+        ServingResponseGenerator, "submit", lambda self, *a: events.append("submit") or submit(self, *a)
+    )
+    with serving(served, max_batch_size=4) as running:
+        c = client(running.url)
+        stream = c.completions.create(model="stdlib-tiny", prompt="The old king", max_tokens=200, stream=True)
+        next(iter(stream))  # the batch decodes
+        assert wait_until(lambda: events.count("step") >= 5, timeout=TIMEOUT_S)
+        c.completions.create(model="stdlib-tiny", prompt="Once upon a time", max_tokens=2)
+        later = sum(1 for _ in stream)
+    assert later > 0  # the first stream was still decoding when the second one was served
+    second = max(i for i, event in enumerate(events) if event == "submit")
+    inserted = events.index("insert", second)
+    assert events[second:inserted].count("step") <= 2, events[second:inserted].count("step")

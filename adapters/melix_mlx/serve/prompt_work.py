@@ -16,7 +16,13 @@ Rules of this module:
   request's own prompt tokens per second on its latest piece (the cost follows its
   context), a piece at most twice its latest (the cost per token is not flat in the piece's
   size: measured on a small piece, a large one overshoots); a request not measured yet gets
-  a probe of `PROBE` tokens (so a prompt of at most that many joins at once). Pieces share
+  a probe of `PROBE` tokens, unless it starts from an empty cache and a join has been
+  measured: then the join's rate prices it (`PrefillBudget.fresh`), under the same
+  doubling rule counted in the tokens the join attended to. Joins measure it (their
+  admission timed, when every joining piece followed at most `PROBE` tokens of context):
+  a short prompt that fits then joins whole in one step instead of first sending a probe
+  through the segment stage and waiting a step for it (measured beside a 20k-token
+  prefill: with a 32-token probe a ~45-token request waited about two segments). Pieces share
   the budget between the requests of a step, but a share is not cut below a probe (each
   piece is a forward of its own: tiny ones cost more in overhead than they save, and a
   rate measured on them falls, so they would stay tiny), unless the whole budget holds
@@ -91,13 +97,17 @@ class PrefillBudget:
         self.budget_s = budget_s
         self.chunk = chunk
         self.rates: dict[int, tuple[float, int]] = {}  # uid -> its latest piece: tokens/s, tokens
+        self.fresh: tuple[float, int] | None = None  # the latest measured join: tokens/s, tokens attended
         self._planned: dict[int, int] = {}  # uid -> tokens of this step's piece
 
-    def piece(self, uid: int | None = None, share: float = 1.0) -> int:
-        """The tokens a piece of request `uid` may hold within `share` of the budget."""
+    def piece(self, uid: int | None = None, share: float = 1.0, *, fresh: bool = False) -> int:
+        """The tokens a piece of request `uid` may hold within `share` of the budget;
+        `fresh`: the request starts from an empty cache (a join's rate prices it)."""
         if self.budget_s is None:  # no budget: fixed chunks
             return self.chunk
         measured = self.rates.get(uid) if uid is not None else None
+        if measured is None and fresh:
+            measured = self.fresh
         if measured is None:  # not measured yet: a probe (another request's rate says little of it)
             return max(MIN_PIECE, min(PROBE, self.chunk))
         rate, latest = measured  # a piece at most doubles: a cost per token that is not flat overshoots
@@ -115,9 +125,10 @@ class PrefillBudget:
             return pending
         queued = {r.uid for r in queue}
         self.rates = {uid: rate for uid, rate in self.rates.items() if uid in queued}  # joined or gone
-        pending = [r for r in queue if r.segments or len(r.prompt) > self.piece(r.uid)][:limit]
+        pending = [r for r in queue if r.segments or len(r.prompt) > self.piece(r.uid, fresh=is_fresh(r))]
+        pending = pending[:limit]
         for request in pending:
-            tokens = self.piece(request.uid, 1.0 / len(pending))
+            tokens = self.piece(request.uid, 1.0 / len(pending), fresh=is_fresh(request))
             if not request.segments:  # the final piece: its head is prefilled now
                 request.segments.append(list(request.prompt[:tokens]))
                 request.prompt = request.prompt[tokens:]
@@ -135,6 +146,17 @@ class PrefillBudget:
             return
         for uid, n in planned.items():  # each piece had its share of the step's time
             self.rates[uid] = (n * len(planned) / seconds, n)
+
+    def observe_join(self, tokens: int, attended: int, seconds: float) -> None:
+        """A join's admission: `tokens` prefilled in `seconds`, the longest row `attended` tokens
+        (context and piece); it prices the first piece of prompts from an empty cache."""
+        if tokens > 0 and seconds > 0:
+            self.fresh = (tokens / seconds, attended)
+
+
+def is_fresh(request: Any) -> bool:
+    """A queued request that has prefilled nothing and holds no cached prefix."""
+    return not request.all_tokens and request.cache is None
 
 
 class Clock:
@@ -177,4 +199,18 @@ class BudgetedPrefill:
             return False
         if len(self.batch) >= self.completion_batch_size or not any(r.segments for r in self._queue):
             return False
-        return any(not r.segments and len(r.prompt) <= self.budget.piece(r.uid) for r in self._queue)
+        piece = self.budget.piece
+        return any(not r.segments and len(r.prompt) <= piece(r.uid, fresh=is_fresh(r)) for r in self._queue)
+
+    def _admit(self, out: list[Any]) -> list[PromptProcessingBatch.Response]:
+        """Admission, timed: a join of rows with (almost) no context measures the rate that
+        prices fresh prompts' first pieces (see the module rules)."""
+        contexts = {r.uid: len(r.all_tokens) for r in self._queue}
+        tokens_before = self.prompt_tokens
+        with Clock() as clock:
+            responses = super()._admit(out)
+        joined = [r for r in responses if r.uid in contexts and r.end_of_prompt]
+        if self.budget.budget_s is not None and joined and all(contexts[r.uid] <= PROBE for r in joined):
+            attended = max(r.progress[1] for r in joined)
+            self.budget.observe_join(self.prompt_tokens - tokens_before, attended, clock.seconds)
+        return responses
