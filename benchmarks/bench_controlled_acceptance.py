@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -66,7 +67,7 @@ from melix_mlx.runtime.hidden import main_parts
 from melix_mlx.tools.bench import Bench
 from melix_mlx.tools.bench_results import msgspec_builtins, regime
 from melix_mlx.tools.controlled_draft import ControlledDraft
-from melix_mlx.tools.tiny import make_tiny
+from melix_mlx.tools.tiny import make_tiny, tiny_config
 from melix_mlx.tools.workloads import Prompt
 from mlx_lm.generate import BatchGenerator, generate_step
 
@@ -309,16 +310,23 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=None, help="hidden size of the tiny models")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers of the tiny models")
     parser.add_argument(
+        "--scale",
+        type=int,
+        default=None,
+        help="realistic proportions: hidden size, FFN / expert widths, LoRA ranks and head counts times this",
+    )
+    parser.add_argument(
         "--profile", default=None, help="the results' profile name (default: tiny, or hidden<H>-layers<L>)"
     )
     args = parser.parse_args()
     shape = {k: v for k, v in (("hidden_size", args.hidden), ("num_hidden_layers", args.layers)) if v}
     result: dict[str, Any] = {"regime": regime(), "args": vars(args), "families": {}}
-    args.profile = args.profile or profile_name(args.hidden, args.layers)
+    args.profile = args.profile or profile_name(args.hidden, args.layers, args.scale)
     result["profile"] = args.profile
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families:
-            path = str(make_tiny(family, f"{tmp}/{family}", **shape))
+            sizes = {**scaled_sizes(family, args.scale), **shape} if args.scale else shape
+            path = str(make_tiny(family, f"{tmp}/{family}", **sizes))
             start = os.getloadavg()
             result["families"][family] = bench_family(family, path, args)
             result["families"][family]["load_average"] = {"start": list(start), "end": list(os.getloadavg())}
@@ -359,10 +367,30 @@ def main() -> int:
     return 0
 
 
-def profile_name(hidden: int | None, layers: int | None) -> str:
+def profile_name(hidden: int | None, layers: int | None, scale: int | None = None) -> str:
     """The profile a shape's figures are filed under: `tiny` as written, else its overrides."""
-    parts = [f"{name}{v}" for name, v in (("hidden", hidden), ("layers", layers)) if v]
+    parts = [f"{name}{v}" for name, v in (("scale", scale), ("hidden", hidden), ("layers", layers)) if v]
     return "-".join(parts) or "tiny"
+
+
+# the widths a realistic checkpoint grows together: the residual stream, every FFN and
+# expert, the MLA / indexer ranks and every head count (head dims stay: real models keep
+# 64-256 per head and add heads); scaling hidden alone leaves the projections tiny
+_SCALED = re.compile(
+    r"^(hidden_size|.*intermediate_size|.*ffn_hidden_size|share_expert_dim|[qo]_lora_rank|kv_lora_rank"
+    r"|.*num_attention_heads|.*num_key_value_heads|num_attention_groups|linear_num_\w+_heads"
+    r"|mamba_num_heads|index_n_heads)$"
+)
+
+
+def scaled_sizes(family: str, factor: int) -> dict[str, int]:
+    """The config overrides of `family`'s tiny checkpoint at `factor` times its widths."""
+    _, text = tiny_config(family, {})
+    return {
+        key: value * factor
+        for key, value in text.items()
+        if _SCALED.match(key) and isinstance(value, int) and not isinstance(value, bool)
+    }
 
 
 SCHEMA = "melix-fsm/controlled-acceptance/2"

@@ -166,7 +166,7 @@ HEAD_COUNT_KEY.update(tiny_dsv41.HEAD_COUNT_KEY)
 HEAD_COUNT_KEY.update(tiny_longcat_ngram.HEAD_COUNT_KEY)
 
 
-def _config_for(family: str, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict]:
+def tiny_config(family: str, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict]:
     """Return (config.json dict, the language-model settings dict inside it)."""
     if family in tiny_nemotron.CONFIGS:  # flat config
         text = copy.deepcopy(tiny_nemotron.CONFIGS[family])
@@ -333,7 +333,7 @@ def make_tiny(
         if mtp_layers < 1:
             raise ValueError(f"mtp_layers must be >= 1, got {mtp_layers}")
         overrides[HEAD_COUNT_KEY[family]] = mtp_layers
-    config, text = _config_for(family, overrides)
+    config, text = tiny_config(family, overrides)
     text_dtype_key = "dtype" if "text_config" in config else "torch_dtype"
     text[text_dtype_key] = dtype
     if head_in_sidecar is None:
