@@ -412,7 +412,8 @@ def _merge(path: Path, result: dict[str, Any], args: argparse.Namespace) -> None
     and profile: the latest run); other profiles are left as they are."""
     data = load_results(path)
     profile = data["profiles"].setdefault(args.profile, {})
-    profile["shape"] = {"hidden_size": args.hidden, "num_hidden_layers": args.layers, "tokens": args.tokens}
+    shape = {"hidden_size": args.hidden, "num_hidden_layers": args.layers, "tokens": args.tokens}
+    profile["shape"] = {**shape, "scale": args.scale} if getattr(args, "scale", None) else shape
     families = profile.setdefault("families", {})
     for family, cells in result["families"].items():
         families[family] = {

@@ -159,12 +159,14 @@ def measured_efficiency(path: Path = EFFICIENCY_RESULTS) -> dict[str, str]:
 
 
 def _profile_label(name: str, profile: dict, cells: dict) -> str:
-    """Where a figure comes from: the shape (`tiny`, or `h<hidden>, <layers> layers`), the
+    """Where a figure comes from: the shape (`tiny`, or `widths x<scale>, h<hidden>, <layers>
+    layers`, what was given), the
     clock the cells were timed on and, where recorded, the machine's load average then."""
     shape = profile.get("shape") or {}
-    hidden, layers = shape.get("hidden_size"), shape.get("num_hidden_layers")
-    parts = [f"h{hidden}" if hidden else "", f"{layers} layers" if layers else ""]
-    label = ", ".join(p for p in parts if p) if name != "tiny" and (hidden or layers) else "tiny"
+    hidden, layers, scale = shape.get("hidden_size"), shape.get("num_hidden_layers"), shape.get("scale")
+    parts = [f"widths x{scale}" if scale else "", f"h{hidden}" if hidden else ""]
+    parts.append(f"{layers} layers" if layers else "")
+    label = ", ".join(p for p in parts if p) if name != "tiny" and (hidden or layers or scale) else "tiny"
     label += f", {cells.get('clock', 'wall')} clock"
     load = cells.get("load_average")
     if load:

@@ -46,6 +46,10 @@ def test_every_profile_is_shown_with_its_shape_clock_and_load(tmp_path: Path) ->
                         "families": {"step3p5": wide},
                     },
                     "tiny": {"families": {"step3p5": _family(0.75, 0.68), "mimo": _family(0.92, None)}},
+                    "scale16-layers4": {
+                        "shape": {"hidden_size": None, "num_hidden_layers": 4, "tokens": 96, "scale": 16},
+                        "families": {"step3p5": _family(0.95, 0.95)},
+                    },
                 },
             }
         )
@@ -53,7 +57,8 @@ def test_every_profile_is_shown_with_its_shape_clock_and_load(tmp_path: Path) ->
     cells = _hook().measured_efficiency(results)
     assert cells["step3p5"] == (
         "tiny, wall clock: 0.75 (0.70-0.80) / 0.68 · "
-        "h256, 4 layers, cpu clock, load 6.5: 0.97 (0.92-1.02) / 0.91"
+        "h256, 4 layers, cpu clock, load 6.5: 0.97 (0.92-1.02) / 0.91 · "
+        "widths x16, 4 layers, wall clock: 0.95 (0.90-1.00) / 0.95"
     )
     assert cells["mimo"] == "tiny, wall clock: 0.92 (0.87-0.97) / -"  # refused batch: no figure
 
