@@ -17,8 +17,10 @@ a prompt longer than a tiny checkpoint's trained context is accepted. Then:
 
 Reported (JSON, also `--out`): TTFT and gap percentiles (p50/p90/p99/max) idle and
 loaded; the prefill segments the server timed during the loaded window (its
-`melix_prefill_segment_seconds` histogram: count, mean, the bucket holding p50/p90, the
-longest); and the bounds checked, with the segment taken as the configured budget
+`melix_prefill_segment_seconds` histogram: count, mean, the bucket holding p50/p90/p99,
+the longest); the same for the parts of a gap the server times (`step_parts`: each whole
+generator step, each admission of joining prompts, the loop's work between two steps);
+and the bounds checked, with the segment taken as the configured budget
 (`--prefill-budget`) and as the longest segment measured:
 
     TTFT_loaded <= 2 x TTFT_idle(p50) + segment      (every scored request)
@@ -119,18 +121,14 @@ def metrics(port: int) -> dict[str, float]:
     return scrape(port, key=None)
 
 
-def segment_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
-    """The prefill segments timed between two scrapes (the server's histogram)."""
-    prefix = 'melix_prefill_segment_seconds_bucket{le="'
+def duration_stats(before: dict[str, float], after: dict[str, float], name: str) -> dict[str, Any]:
+    """The durations one of the server's histograms timed between two scrapes."""
+    prefix = f'{name}_bucket{{le="'
     buckets = sorted(
         (float(k[len(prefix) : -2]), after[k] - before.get(k, 0.0)) for k in after if k.startswith(prefix)
     )
-    count = after.get("melix_prefill_segment_seconds_count", 0.0) - before.get(
-        "melix_prefill_segment_seconds_count", 0.0
-    )
-    total = after.get("melix_prefill_segment_seconds_sum", 0.0) - before.get(
-        "melix_prefill_segment_seconds_sum", 0.0
-    )
+    count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+    total = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
 
     def bucket(q: float) -> float | None:  # the upper edge of the bucket holding quantile q
         for edge, cumulative in buckets:
@@ -143,7 +141,8 @@ def segment_stats(before: dict[str, float], after: dict[str, float]) -> dict[str
         "mean_s": round(total / count, 4) if count else None,
         "p50_bucket_le_s": bucket(0.5),
         "p90_bucket_le_s": bucket(0.9),
-        "max_s_since_start": round(after.get("melix_prefill_segment_seconds_max", float("nan")), 4),
+        "p99_bucket_le_s": bucket(0.99),
+        "max_s_since_start": round(after.get(f"{name}_max", float("nan")), 4),
     }
 
 
@@ -271,7 +270,12 @@ def measure(args: argparse.Namespace, port: int, checkpoint: Path) -> dict[str, 
     # one decode step: the idle p90 gap (a cycle emits its accepted drafts in one burst: the
     # median gap is ~0 between the tokens of one cycle)
     idle_p50, step = percentiles(idle_ttft)["p50"], percentiles(idle_gaps)["p90"]
-    segments = segment_stats(before, after)
+    segments = duration_stats(before, after, "melix_prefill_segment_seconds")
+    # where the gaps go (the server's own clocks): whole steps, admissions, the loop between steps
+    parts = {
+        part: duration_stats(before, after, f"melix_{part}_seconds")
+        for part in ("step", "admission", "between_steps")
+    }
     checks = {}
     longest = segments["max_s_since_start"]
     for name, segment in (("budget", args.prefill_budget), ("longest_measured", longest)):
@@ -306,6 +310,7 @@ def measure(args: argparse.Namespace, port: int, checkpoint: Path) -> dict[str, 
             "gap_s": percentiles(gaps),
         },
         "segments": segments,
+        "step_parts": parts,
         "decode_step_s": step,
         "checks": checks,
     }

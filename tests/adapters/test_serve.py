@@ -178,7 +178,13 @@ def test_eight_concurrent_clients_get_their_solo_answers(server: Any) -> None:
     with ThreadPoolExecutor(len(prompts)) as pool:
         together = list(pool.map(one, prompts, timeout=TIMEOUT_S))
     assert together == solo
-    assert metrics(server.url)["melix_batch_rows_peak"] >= 2  # they really shared batches
+    scraped = metrics(server.url)
+    assert scraped["melix_batch_rows_peak"] >= 2  # they really shared batches
+    # the parts of a gap are timed: steps, admissions, and the loop between steps while rows ran
+    steps, admissions = scraped["melix_step_seconds_count"], scraped["melix_admission_seconds_count"]
+    assert steps >= 40 and 1 <= admissions <= steps and scraped["melix_between_steps_seconds_count"] >= 1
+    longest = scraped["melix_step_seconds_max"]
+    assert longest > 0 and scraped["melix_step_seconds_sum"] <= steps * longest
 
 
 def test_cancelled_stream_frees_its_row(server: Any) -> None:

@@ -13,7 +13,9 @@ Rules of this module:
 - Tokens/s is measured over a sliding window of recent steps (wall time between steps),
   not predicted.
 - Prefill segments (one step's prompt work, melix_mlx.serve.prompt_work) are timed by the
-  generation thread: their count, total seconds and the longest (`observe_segment`).
+  generation thread: their count, total seconds and the longest (`observe_segment`). So
+  are the parts of a streamed token's gap: each whole step, its admission and the loop's
+  work between two steps (`Durations`: a histogram and its longest).
 - The prompt cache is read at scrape time (`watch_prompt_cache`): its entries and bytes
   beside their configured bounds, so a soak can check that it stays bounded.
 - The process's memory by layer (mlx's allocator, malloc, Python, the resident set) is
@@ -39,6 +41,20 @@ WINDOW_S = 5.0  # tokens/s is measured over the steps of the last WINDOW_S secon
 SEGMENT_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
+
+
+class Durations:
+    """A histogram of seconds and its longest observation (`<name>_max`): the latency
+    bench bounds gaps by the longest, which a histogram's buckets do not give."""
+
+    def __init__(self, name: str, what: str, registry: CollectorRegistry) -> None:
+        self.histogram = Histogram(name, f"Seconds of {what}", buckets=SEGMENT_BUCKETS, registry=registry)
+        self.longest = Gauge(f"{name}_max", f"The longest of {what}", registry=registry)
+
+    def observe(self, seconds: float) -> None:
+        self.histogram.observe(seconds)
+        if seconds > self.longest._value.get():
+            self.longest.set(seconds)
 
 class _PolicyCollector:
     """The live controller's decision counters, read when scraped."""
@@ -104,15 +120,11 @@ class ServeMetrics:
         )
         self.rows = Gauge("melix_batch_rows", "Rows in the batch, by lifecycle state", ["state"], registry=r)
         self.peak_rows = Gauge("melix_batch_rows_peak", "Most rows decoded together since start", registry=r)
-        self.segments = Histogram(
-            "melix_prefill_segment_seconds",
-            "Seconds of each prefill segment (one step's prompt work)",
-            buckets=SEGMENT_BUCKETS,
-            registry=r,
-        )
-        self.segment_max = Gauge(
-            "melix_prefill_segment_seconds_max", "The longest prefill segment", registry=r
-        )
+        self.segments = Durations("melix_prefill_segment_seconds", "each prefill segment stage", r)
+        # where a streamed token's gap goes: the generator's step, its admission, the loop between steps
+        self.steps = Durations("melix_step_seconds", "each generator step (decode, segments, admission)", r)
+        self.admissions = Durations("melix_admission_seconds", "each step's admission of joining prompts", r)
+        self.between_steps = Durations("melix_between_steps_seconds", "the loop's work between two steps", r)
         self.info = Gauge(
             "melix_speculation_method", "1 for the method this server decodes with", ["method"], registry=r
         )
@@ -170,8 +182,6 @@ class ServeMetrics:
 
     def observe_segment(self, seconds: float) -> None:
         self.segments.observe(seconds)
-        if seconds > self.segment_max._value.get():
-            self.segment_max.set(seconds)
 
     def watch_prompt_cache(self, cache: Any) -> None:
         self.registry.register(_PromptCacheCollector(cache))

@@ -209,6 +209,8 @@ class BudgetedPrefill:
         tokens_before = self.prompt_tokens
         with Clock() as clock:
             responses = super()._admit(out)
+        if responses:
+            self.metrics.admissions.observe(clock.seconds)
         joined = [r for r in responses if r.uid in contexts and r.end_of_prompt]
         if self.budget.budget_s is not None and joined and all(contexts[r.uid] <= PROBE for r in joined):
             attended = max(r.progress[1] for r in joined)

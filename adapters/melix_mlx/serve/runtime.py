@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import types
 from collections.abc import Callable
 from queue import Queue
@@ -112,6 +113,7 @@ class ServingBatchGenerator(BudgetedPrefill, MTPBatchGenerator):
         self.committed: set[int] | None = None
         self.fatal_errors = False
         self.heartbeat: Callable[[], None] | None = None
+        self._returned: float | None = None  # when the last step returned with work left
 
     def insert_segments(self, segments: list, *args: Any, **kwargs: Any) -> list[int]:
         first = self.next_uid
@@ -187,6 +189,9 @@ class ServingBatchGenerator(BudgetedPrefill, MTPBatchGenerator):
         return out
 
     def next(self) -> tuple[list, list]:
+        started = time.perf_counter()
+        if self._returned is not None:  # the loop's work since the last step, while rows were busy
+            self.metrics.between_steps.observe(started - self._returned)
         prompt_before = self.prompt_tokens
         dropped = self._drop_cancelled()
         try:
@@ -214,6 +219,8 @@ class ServingBatchGenerator(BudgetedPrefill, MTPBatchGenerator):
         )
         if self.heartbeat is not None:
             self.heartbeat()
+        self._returned = time.perf_counter() if len(self.batch) or self._queue else None
+        self.metrics.steps.observe((self._returned or time.perf_counter()) - started)
         return prompt_responses, generation
 
     def _abandon_batch(self, exc: BaseException) -> None:
