@@ -315,3 +315,23 @@ def test_a_request_arriving_mid_batch_is_inserted_before_the_next_step(
     second = max(i for i, event in enumerate(events) if event == "submit")
     inserted = events.index("insert", second)
     assert events[second:inserted].count("step") <= 2, events[second:inserted].count("step")
+
+
+def test_a_segment_gives_the_admission_that_follows_it_its_share_of_the_budget() -> None:
+    """PrefillBudget alone: the joins a step expects are priced at the latest join's rate
+    and come off the segment stage's budget."""
+    from types import SimpleNamespace
+
+    from melix_mlx.serve.prompt_work import PrefillBudget
+
+    budget = PrefillBudget(0.25, 256)
+    assert budget.admission_s(45) == 0.0  # no join measured: nothing to reserve
+    budget.observe_join(tokens=100, attended=100, seconds=0.1)  # 1,000 tokens/s
+    assert budget.admission_s(45) == pytest.approx(0.045)
+    long = SimpleNamespace(uid=1, segments=[list(range(1000))], prompt=[7], all_tokens=[0] * 64, cache={})
+    budget.rates[1] = (1000.0, 200)  # its own rate: 250 tokens fill the budget
+    budget.cut([long], 8)
+    assert len(long.segments[0]) == 250
+    long.segments[0:2] = [list(range(1000))]
+    budget.cut([long], 8, reserve_s=0.15)  # a join expected to take 0.15 s: 0.1 s left
+    assert len(long.segments[0]) == 100

@@ -29,6 +29,11 @@ Rules of this module:
   less. A
   piece is never shorter than `MIN_PIECE` tokens (progress) nor longer than the chunk
   limit (`prefill_chunk`).
+- A segment stage shares its step's budget with the admission that follows it: the
+  prompts ready to join are priced at the latest join's rate and their seconds come off
+  the segments' budget, so a step's prompt work (segments and joins) stays near the
+  budget and a running stream's gap with it (measured before: admissions of 37 ms mean,
+  150 ms at most, on top of full segments).
 - The last piece of a prompt (prefilled when its row joins the batch) is cut to its share
   at each step too: a longer final piece gives its head to the segment stage
   (`PrefillBudget.cut`), so joining costs at most one piece, whatever the rate was when
@@ -100,9 +105,12 @@ class PrefillBudget:
         self.fresh: tuple[float, int] | None = None  # the latest measured join: tokens/s, tokens attended
         self._planned: dict[int, int] = {}  # uid -> tokens of this step's piece
 
-    def piece(self, uid: int | None = None, share: float = 1.0, *, fresh: bool = False) -> int:
-        """The tokens a piece of request `uid` may hold within `share` of the budget;
-        `fresh`: the request starts from an empty cache (a join's rate prices it)."""
+    def piece(
+        self, uid: int | None = None, share: float = 1.0, *, fresh: bool = False, within: float | None = None
+    ) -> int:
+        """The tokens a piece of request `uid` may hold within `share` of the budget (or of
+        `within` seconds); `fresh`: the request starts from an empty cache (a join's rate
+        prices it)."""
         if self.budget_s is None:  # no budget: fixed chunks
             return self.chunk
         measured = self.rates.get(uid) if uid is not None else None
@@ -111,14 +119,14 @@ class PrefillBudget:
         if measured is None:  # not measured yet: a probe (another request's rate says little of it)
             return max(MIN_PIECE, min(PROBE, self.chunk))
         rate, latest = measured  # a piece at most doubles: a cost per token that is not flat overshoots
-        whole = int(rate * self.budget_s)  # the budget to itself
+        whole = int(rate * (self.budget_s if within is None else within))  # the budget to itself
         shared = max(int(whole * share), min(PROBE, whole))  # a share is never cut below a probe
         return max(MIN_PIECE, min(self.chunk, 2 * latest, shared))
 
-    def cut(self, queue: Any, limit: int) -> list[Any]:
+    def cut(self, queue: Any, limit: int, reserve_s: float = 0.0) -> list[Any]:
         """The requests the next segment stage prefills (at most `limit`), each next segment
-        cut to its share of the budget; a final piece longer than its share gives its head
-        to the segment stage (see the module rules)."""
+        cut to its share of the budget less `reserve_s` (the step's admissions); a final
+        piece longer than its share gives its head to the segment stage (see the module rules)."""
         if self.budget_s is None:
             pending = [r for r in queue if r.segments][:limit]
             self._planned = {r.uid: len(r.segments[0]) for r in pending}
@@ -128,7 +136,8 @@ class PrefillBudget:
         pending = [r for r in queue if r.segments or len(r.prompt) > self.piece(r.uid, fresh=is_fresh(r))]
         pending = pending[:limit]
         for request in pending:
-            tokens = self.piece(request.uid, 1.0 / len(pending), fresh=is_fresh(request))
+            left = max(self.budget_s - reserve_s, 0.0)
+            tokens = self.piece(request.uid, 1.0 / len(pending), fresh=is_fresh(request), within=left)
             if not request.segments:  # the final piece: its head is prefilled now
                 request.segments.append(list(request.prompt[:tokens]))
                 request.prompt = request.prompt[tokens:]
@@ -146,6 +155,11 @@ class PrefillBudget:
             return
         for uid, n in planned.items():  # each piece had its share of the step's time
             self.rates[uid] = (n * len(planned) / seconds, n)
+
+    def admission_s(self, tokens: int) -> float:
+        """The seconds a join of `tokens` fresh prompt tokens is expected to take (0 before
+        any join was measured)."""
+        return tokens / self.fresh[0] if self.fresh is not None and tokens else 0.0
 
     def observe_join(self, tokens: int, attended: int, seconds: float) -> None:
         """A join's admission: `tokens` prefilled in `seconds`, the longest row `attended` tokens
@@ -184,7 +198,10 @@ class BudgetedPrefill:
             self._yielded, self._held = True, set()
             return []
         self._yielded = False
-        pending = self.budget.cut(self._queue, self.prefill_batch_size)
+        # the prompts this step admits after the segment stage share its budget
+        free = min(self.completion_batch_size - len(self.batch), self.prefill_batch_size)
+        reserve = self.budget.admission_s(sum(len(r.prompt) for r in self._fitting()[: max(free, 0)]))
+        pending = self.budget.cut(self._queue, self.prefill_batch_size, reserve_s=reserve)
         with Clock() as clock:
             responses = super()._prefill_segments()
         self.budget.observe(clock.seconds)
@@ -199,8 +216,12 @@ class BudgetedPrefill:
             return False
         if len(self.batch) >= self.completion_batch_size or not any(r.segments for r in self._queue):
             return False
+        return bool(self._fitting())
+
+    def _fitting(self) -> list[Any]:
+        """The queued prompts whose rest fits one piece: the admission takes them."""
         piece = self.budget.piece
-        return any(not r.segments and len(r.prompt) <= piece(r.uid, fresh=is_fresh(r)) for r in self._queue)
+        return [r for r in self._queue if not r.segments and len(r.prompt) <= piece(r.uid, fresh=is_fresh(r))]
 
     def _admit(self, out: list[Any]) -> list[PromptProcessingBatch.Response]:
         """Admission, timed: a join of rows with (almost) no context measures the rate that
