@@ -2,8 +2,8 @@
 
 Rules of this script:
 - The setting is bench_controlled_acceptance.py's: the family's tiny checkpoint
-  (`--hidden` / `--layers` widen it), its own head behind the controlled draft source
-  (p = 0.8), k = 2, batch 1, one sequence.
+  (`--hidden` / `--layers` widen it, `--scale F` multiplies every width), its own head
+  behind the controlled draft source (p = 0.8), k = 2, batch 1, one sequence.
 - Ops: the primitives of one cycle's graph (counted from `mx.export_to_dot` of what the
   engine hands to `mx.async_eval`, mid-run) against the calibrated forwards' graphs, the
   verify plus k head steps; the difference is what the cycle adds (acceptance, the
@@ -37,6 +37,7 @@ import time
 from typing import Any
 
 import mlx.core as mx
+from bench_controlled_acceptance import scaled_sizes
 from melix_mlx.decode import MTPDecoder
 from melix_mlx.loading import load_with_heads
 from melix_mlx.runtime import absorbed_mla, rollback
@@ -176,13 +177,15 @@ def main() -> None:
     parser.add_argument("families", nargs="+")
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--scale", type=int, default=None, help="every width x F")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     shape = {k: v for k, v in (("hidden_size", args.hidden), ("num_hidden_layers", args.layers)) if v}
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families:
-            model, tokenizer, head, _ = load_with_heads(str(make_tiny(family, f"{tmp}/{family}", **shape)))
+            sizes = {**scaled_sizes(family, args.scale), **shape} if args.scale else shape
+            model, tokenizer, head, _ = load_with_heads(str(make_tiny(family, f"{tmp}/{family}", **sizes)))
             prompt = tokenizer.encode(PROMPT)
             script = prompt + [
                 t for t, _ in generate_step(mx.array(prompt), model, max_tokens=args.tokens + 10)
