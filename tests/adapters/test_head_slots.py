@@ -11,7 +11,8 @@ import mlx.core as mx
 import pytest
 from melix_mlx.runtime.engine import CycleEngine
 from melix_mlx.runtime.hidden import forward_with_hidden
-from melix_mlx.tools.tiny import FAMILIES
+from melix_mlx.loading import load_with_heads
+from melix_mlx.tools.tiny import ALL_FAMILIES, FAMILIES
 from mlx_lm.models.cache import make_prompt_cache
 
 PROMPT = "The quick brown fox jumps over the lazy dog, then naps in the sun."
@@ -53,3 +54,39 @@ def test_prime_in_chunks_matches_one_whole_call(loaded_heads, family, step_size)
     assert cache[0].offset == reference_cache[0].offset == len(pairs)
     keys, ref_keys = cache[0].state[0], reference_cache[0].state[0]
     assert mx.allclose(keys[..., : len(pairs), :], ref_keys[..., : len(pairs), :], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+@pytest.mark.parametrize("slot", [0, 1, 2])
+def test_the_head_read_at_one_slot_is_the_whole_head_read_there(tiny_checkpoint, family, slot):
+    """A cycle's catch-up (3 verified slots on a primed cache) read at one slot: the MLP
+    runs there only, attention at every slot; the same hidden, logits and cache."""
+    model, tok, head, _ = load_with_heads(tiny_checkpoint(family))
+    tokens, hiddens = _prompt_hiddens(model, tok)
+    split = len(tokens) - 4
+    caches = [head.make_cache() for _ in range(3)]
+    for cache in caches:  # the prompt's pairs, primed alike
+        mx.eval(head.trunk(hiddens[None, :split], tokens[None, 1 : split + 1], cache))
+    catch_h, catch_t = hiddens[None, split:-1], tokens[None, split + 1 :]
+    at = mx.array([[[slot]]], dtype=mx.int32)
+    whole = head.trunk(catch_h, catch_t, caches[0])[:, slot : slot + 1]
+    read = head.trunk_at(catch_h, catch_t, caches[1], at)
+    logits, hidden = head.at_slot(catch_h, catch_t, caches[2], at)
+    assert read.shape == hidden.shape == whole.shape
+    assert mx.allclose(read, whole, atol=1e-4, rtol=1e-4)
+    assert mx.allclose(hidden, whole, atol=1e-4, rtol=1e-4)
+    assert mx.allclose(logits, head.logits(whole)[:, 0], atol=1e-3, rtol=1e-3)
+    for cache in caches[1:]:
+        for a, b in zip(caches[0], cache, strict=True):
+            for x, y in zip(_leaves(a.state), _leaves(b.state), strict=True):
+                assert x.shape == y.shape
+                assert mx.allclose(x, y, atol=1e-4, rtol=1e-4)
+
+
+def _leaves(state) -> list[mx.array]:
+    """The arrays of a cache's state (nested tuples, lists; counters left out)."""
+    if isinstance(state, mx.array):
+        return [state]
+    if isinstance(state, (tuple, list)):
+        return [leaf for part in state for leaf in _leaves(part)]
+    return []

@@ -27,16 +27,16 @@ def head_at(
 ) -> tuple[mx.array, mx.array]:
     """The head over `tokens` [B, L]: (logits [B, V], head_hidden [B, 1, D]) at slot `at` [B].
 
-    A head with `trunk` / `logits` (every family head) projects only that slot to the
-    vocabulary; one without (a draft model in the head slot) is called whole and sliced.
+    A head with `at_slot` (every family head, the controlled draft source) computes only
+    what that slot needs past the cache writes; one without (a draft model in the head
+    slot) is called whole and sliced.
     """
     index = at.astype(mx.int32).reshape(-1, 1, 1)
-    trunk = getattr(head, "trunk", None)
-    if trunk is None:
+    at_slot = getattr(head, "at_slot", None)
+    if at_slot is None:
         logits, out = head(hidden, tokens, cache)
         return mx.take_along_axis(logits, index, axis=1)[:, 0], mx.take_along_axis(out, index, axis=1)
-    out = mx.take_along_axis(trunk(hidden, tokens, cache), index, axis=1)
-    return head.logits(out)[:, 0], out
+    return at_slot(hidden, tokens, cache, index)
 
 
 def draw(logits: mx.array, params: list[SamplingParams | None]) -> tuple[mx.array, list[mx.array | None]]:

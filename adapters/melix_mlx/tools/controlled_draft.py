@@ -5,8 +5,9 @@ Used to measure the speculative cycle's efficiency for any family without a trai
 
 Rules of this module:
 - `ControlledDraft` wraps a family's real head: every call runs the head's own forward
-  (its trunk at every slot, its output projection on the last one), so a cycle pays what
-  it pays with a trained head; only the proposal is replaced.
+  (its trunk at every slot, its output projection on the last one; read at one slot, the
+  head's own `at_slot` work), so a cycle pays what it pays with a trained head; only the
+  proposal is replaced.
 - The proposal at slot j (the head is fed token t_{j+1} and predicts t_{j+2}) is the
   target's greedy token, looked up from a plain greedy run made first (`scripts`: each
   prompt followed by mlx-lm's greedy continuation), with probability p, and a token that
@@ -103,9 +104,29 @@ class ControlledDraft:
             real = head.logits(head_hidden[:, -1:])
         else:
             real, head_hidden = head(hidden, next_tokens, cache[:-1], mask)
-        where = cache[-1]
+        positions = self._advance(cache[-1], B, L) + mx.arange(L)[None]  # [B or 1, L]: the slots' entries
+        return self._proposal(positions, next_tokens, real), head_hidden
+
+    def at_slot(
+        self, hidden: mx.array, next_tokens: mx.array, cache: list[Any], at: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """(logits [B, V], head_hidden [B, 1, D]) at slot `at` [B, 1, 1], as the wrapped head's
+        own `at_slot` computes them (its cost), with the proposal read at that slot."""
+        at_head = getattr(self.head, "trunk_at", None)
+        if at_head is None:
+            logits, out = self(hidden, next_tokens, cache)
+            return mx.take_along_axis(logits, at, axis=1)[:, 0], mx.take_along_axis(out, at, axis=1)
+        B, L = next_tokens.shape
+        head_hidden = at_head(hidden, next_tokens, cache[:-1], at)
+        real = self.head.logits(head_hidden)
+        slot = at.reshape(-1, 1)
+        positions = self._advance(cache[-1], B, L) + slot
+        tokens = mx.take_along_axis(next_tokens, slot, axis=1)
+        return self._proposal(positions, tokens, real)[:, 0], head_hidden
+
+    @staticmethod
+    def _advance(where: KVCache, B: int, L: int) -> mx.array:
+        """Count L slots into the position cache; the first one's entry index [B or 1, 1]."""
         before = where.offset
         where.update_and_fetch(mx.zeros((B, 1, L, 1)), mx.zeros((B, 1, L, 1)))
-        start = mx.array(before).reshape(-1, 1) if not isinstance(before, mx.array) else before.reshape(-1, 1)
-        positions = start + mx.arange(L)[None]  # [B or 1, L]: the slots' entry indices
-        return self._proposal(positions, next_tokens, real), head_hidden
+        return mx.array(before).reshape(-1, 1) if not isinstance(before, mx.array) else before.reshape(-1, 1)

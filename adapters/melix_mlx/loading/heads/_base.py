@@ -79,6 +79,21 @@ class MTPHeadBase(nn.Module):
         """head_hidden [B, L, D]: everything but the output projection (per family)."""
         raise NotImplementedError
 
+    def trunk_at(
+        self, hidden: mx.array, next_tokens: mx.array, cache: list[Any] | None, at: mx.array
+    ) -> mx.array:
+        """head_hidden [B, 1, D] at slot `at` [B, 1, 1] (int32): every slot writes the head's
+        cache, one is read. Here the trunk runs whole; a block that splits into attention and
+        MLP (trunk.FusedTrunkHead.BLOCK_PARTS) runs its MLP at that slot only."""
+        return mx.take_along_axis(self.trunk(hidden, next_tokens, cache), at, axis=1)
+
+    def at_slot(
+        self, hidden: mx.array, next_tokens: mx.array, cache: list[Any] | None, at: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """(logits [B, V], head_hidden [B, 1, D]) at slot `at` [B, 1, 1]: what a draft reads."""
+        out = self.trunk_at(hidden, next_tokens, cache, at)
+        return self.logits(out)[:, 0], out
+
     def logits(self, head_hidden: mx.array) -> mx.array:
         """Draft logits [B, L, V] of `head_hidden` slots. The engine passes only the slots it
         draws from (one per row), not a prime's n or a cycle's K + 1."""

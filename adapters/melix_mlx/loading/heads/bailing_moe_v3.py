@@ -53,6 +53,12 @@ class MTPHead(FusedTrunkHead):
     FINAL_NORM: ClassVar[str | None] = "final_layernorm"
     SHARED_HEAD_NORM: ClassVar[bool] = False  # Ling 2.5 applies deepseek_mtp's shared_head.norm
     MASK_ARRAY: ClassVar[bool] = True  # MLA
+    BLOCK_PARTS: ClassVar[tuple[str, str, str, str] | None] = (
+        "input_layernorm",
+        "attention",
+        "post_attention_layernorm",
+        "mlp",
+    )
 
     def _make_block(self, args: Any) -> nn.Module:
         # index num_hidden_layers: mlx-lm then builds latent attention and MoE, as the head has

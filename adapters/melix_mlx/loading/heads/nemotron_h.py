@@ -104,6 +104,7 @@ class MTPHead(FusedTrunkHead):
     CHAIN_POST_NORM: ClassVar[bool] = True  # final_layernorm's output, chained as is
     CONCAT_ORDER: ClassVar[str] = "embedding_first"
     BLOCK, FINAL_NORM = "layers", "final_layernorm"
+    BLOCK_PARTS: ClassVar[tuple[str, str, str, str] | None] = None  # a stack of sub-layers (_run_block)
     EPS: ClassVar[str] = "layer_norm_epsilon"
 
     def __init__(

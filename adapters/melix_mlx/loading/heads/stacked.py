@@ -62,6 +62,16 @@ class StackedHead(nn.Module):
     ) -> mx.array:
         return self.heads[0].trunk(hidden, next_tokens, cache, mask)
 
+    def trunk_at(
+        self, hidden: mx.array, next_tokens: mx.array, cache: list[Any] | None, at: mx.array
+    ) -> mx.array:
+        return self.heads[0].trunk_at(hidden, next_tokens, cache, at)
+
+    def at_slot(
+        self, hidden: mx.array, next_tokens: mx.array, cache: list[Any] | None, at: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        return self.heads[0].at_slot(hidden, next_tokens, cache, at)
+
     def logits(self, head_hidden: mx.array) -> mx.array:
         return self.heads[0].logits(head_hidden)
 

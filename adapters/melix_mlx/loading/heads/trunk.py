@@ -36,6 +36,8 @@ from mlx_lm.models.cache import KVCache
 from ...runtime.window_kv import WindowedKVCache
 from ._base import MTPHeadBase
 
+PRE_NORM_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
 
 class MainNorm:
     """Plain holder: the main model's final norm stays out of the head's parameters."""
@@ -68,6 +70,9 @@ class FusedTrunkHead(MTPHeadBase):
     NORM: ClassVar[Callable[..., nn.Module]] = nn.RMSNorm
     EPS: ClassVar[str] = "rms_norm_eps"  # the config field of every head norm's eps
     MASK_ARRAY: ClassVar[bool] = False  # latent attention wants a boolean array (or None)
+    # The block is `h = x + attention(norm_in(x), mask, cache); h + mlp(norm_post(h))`; its
+    # parts by name (norm_in, attention, norm_post, mlp), or None for a block that is not.
+    BLOCK_PARTS: ClassVar[tuple[str, str, str, str] | None] = PRE_NORM_PARTS
 
     def __init__(
         self,
@@ -112,13 +117,33 @@ class FusedTrunkHead(MTPHeadBase):
     def trunk(
         self, hidden: mx.array, next_tokens: mx.array, cache: list[Any] | None = None, mask: Any = None
     ) -> mx.array:
-        e = getattr(self, self.EMB_NORM)(self.embed(next_tokens))
-        h = self._norm_hidden(hidden)
-        halves = [e, h] if self.CONCAT_ORDER == "embedding_first" else [h, e]
-        x = getattr(self, self.PROJ)(mx.concatenate(halves, axis=-1))
+        x = self._fused_input(hidden, next_tokens)
         if mask is None:
             mask = self._mask(x, self._first(cache))
         return self._finish(self._run_block(x, mask, cache))
+
+    def trunk_at(
+        self, hidden: mx.array, next_tokens: mx.array, cache: list[Any] | None, at: mx.array
+    ) -> mx.array:
+        """The trunk read at slot `at` [B, 1, 1]: attention over every slot (each writes the
+        head's cache), the MLP at that slot only. A catch-up over a cycle's K + 1 verified
+        slots otherwise runs the MLP, a MoE head's experts, K times for nothing."""
+        if self.BLOCK_PARTS is None:
+            return super().trunk_at(hidden, next_tokens, cache, at)
+        x = self._fused_input(hidden, next_tokens)
+        block = getattr(self, self.BLOCK)
+        block = block[0] if self.BLOCK == "layers" else block
+        norm_in, attention, norm_post, mlp = (getattr(block, name) for name in self.BLOCK_PARTS)
+        layer_cache = self._first(cache)
+        h = x + attention(norm_in(x), self._mask(x, layer_cache), layer_cache)
+        h = mx.take_along_axis(h, at, axis=1)
+        return self._finish(h + mlp(norm_post(h)))
+
+    def _fused_input(self, hidden: mx.array, next_tokens: mx.array) -> mx.array:
+        e = getattr(self, self.EMB_NORM)(self.embed(next_tokens))
+        h = self._norm_hidden(hidden)
+        halves = [e, h] if self.CONCAT_ORDER == "embedding_first" else [h, e]
+        return getattr(self, self.PROJ)(mx.concatenate(halves, axis=-1))
 
     def _norm_hidden(self, hidden: mx.array) -> mx.array:
         return getattr(self, self.HIDDEN_NORM)(hidden)
