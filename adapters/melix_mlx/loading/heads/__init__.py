@@ -26,6 +26,12 @@ them), so the engine projects to the vocabulary only the slots it draws from: th
 of a prompt's prime (not [n, V] logits for an n-token prompt), the accepted slot of a
 cycle's K + 1. A head without them (a draft model in the head slot) is called whole.
 
+``head.at_slot(hidden, next_tokens, cache, at) -> (logits [B, V], head_hidden [B, 1, D])``
+(``at`` [B, 1, 1] int32) is what the engine calls: every slot writes the head's cache, one
+is read, via ``head.trunk_at``. A ``FusedTrunkHead`` whose block is pre-norm attention then
+MLP (``BLOCK_PARTS`` names the four parts; None where the block is not) runs the MLP at that
+slot only, so a catch-up over a cycle's K + 1 verified slots pays a MoE head's experts once.
+
 Class constants: ``FAMILY``, ``CHAIN_POST_NORM`` (qwen3_5 / qwen3_5_moe / qwen3_next /
 mimo True, deepseek_v3 / glm4_moe / glm4_moe_lite False), ``CONCAT_ORDER`` ("hidden_first" for mimo,
 "embedding_first" for the rest), ``NUM_LAYERS`` (layers in the head's cache list: 1).
