@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from melix_mlx.loading import load_with_heads
 from melix_mlx.runtime.engine import CycleEngine
 from melix_mlx.runtime.hidden import forward_with_hidden
-from melix_mlx.loading import load_with_heads
 from melix_mlx.tools.tiny import ALL_FAMILIES, FAMILIES
 from mlx_lm.models.cache import make_prompt_cache
 
