@@ -83,6 +83,31 @@ def test_the_head_read_at_one_slot_is_the_whole_head_read_there(tiny_checkpoint,
                 assert mx.allclose(x, y, atol=1e-4, rtol=1e-4)
 
 
+# heads whose block is not pre-norm attention then MLP: the trunk runs whole, then is read
+WHOLE_TRUNK = {"nemotron_h", "deepseek_v41"}
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_a_head_read_at_one_slot_runs_its_mlp_at_that_slot_only(tiny_checkpoint, family):
+    model, tok, head, _ = load_with_heads(tiny_checkpoint(family))
+    head = getattr(head, "heads", [head])[0]  # a stacked head reads through its first layer
+    parts = getattr(head, "BLOCK_PARTS", None)
+    assert (parts is None) == (family in WHOLE_TRUNK)
+    if parts is None:
+        return
+    block, seen = head._block(), []
+    mlp = getattr(block, parts[3])
+
+    def recording(x: mx.array) -> mx.array:
+        seen.append(x.shape[1])
+        return mlp(x)
+
+    object.__setattr__(block, parts[3], recording)  # shadows the module for this head only
+    tokens, hiddens = _prompt_hiddens(model, tok)
+    head.trunk_at(hiddens[None, :3], tokens[None, 1:4], head.make_cache(), mx.array([[[1]]], dtype=mx.int32))
+    assert seen == [1]
+
+
 def _leaves(state) -> list[mx.array]:
     """The arrays of a cache's state (nested tuples, lists; counters left out)."""
     if isinstance(state, mx.array):

@@ -131,9 +131,7 @@ class FusedTrunkHead(MTPHeadBase):
         if self.BLOCK_PARTS is None:
             return super().trunk_at(hidden, next_tokens, cache, at)
         x = self._fused_input(hidden, next_tokens)
-        block = getattr(self, self.BLOCK)
-        block = block[0] if self.BLOCK == "layers" else block
-        norm_in, attention, norm_post, mlp = (getattr(block, name) for name in self.BLOCK_PARTS)
+        norm_in, attention, norm_post, mlp = (getattr(self._block(), name) for name in self.BLOCK_PARTS)
         layer_cache = self._first(cache)
         h = x + attention(norm_in(x), self._mask(x, layer_cache), layer_cache)
         h = mx.take_along_axis(h, at, axis=1)
@@ -152,8 +150,12 @@ class FusedTrunkHead(MTPHeadBase):
         return create_attention_mask(x, cache, window_size=self.window, return_array=self.MASK_ARRAY)
 
     def _run_block(self, x: mx.array, mask: Any, cache: list[Any] | None) -> mx.array:
+        return self._block()(x, mask=mask, cache=self._first(cache))
+
+    def _block(self) -> nn.Module:
+        """The decoder block the trunk runs (the first of ``layers``)."""
         block = getattr(self, self.BLOCK)
-        return (block[0] if self.BLOCK == "layers" else block)(x, mask=mask, cache=self._first(cache))
+        return block[0] if self.BLOCK == "layers" else block
 
     def _finish(self, out: mx.array) -> mx.array:
         """The trunk's output, what depth k > 1 chains (post-norm where FINAL_NORM is set)."""
