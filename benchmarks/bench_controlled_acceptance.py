@@ -13,7 +13,11 @@ Rules of this script:
 - Ideal = E[tokens per cycle] / ((t_verify + k t_head) / t_1), from this run's calibrated
   timings (the controlled source in the head slot, so its lookup is priced too) and the
   cell's MEASURED per-position acceptance; efficiency = measured speedup / ideal, median
-  over repeats. The acceptance measured is reported beside p.
+  over repeats. The acceptance measured is reported beside p. Each repeat is priced by a
+  calibration taken just before it (`cycle_costs`; `--no-calibrate-each-repeat`: one
+  calibration for the family, as before): between two runs a single calibration's cost
+  moved by up to 5 % while the interleaved speedups moved by 2 %, and that moved a
+  family's efficiency across 0.9 and back.
 - `--calibration-clock cpu` times the calibrated forwards on this process's CPU clock (a
   shared machine's other processes poison wall-clock samples, and the calibration refuses
   them): the ideal needs only ratios of forward costs. `--clock cpu` times the cells the
@@ -93,6 +97,7 @@ FIELDS = (
     "tps",
     "baseline_tps",
     "breakdown_ms",
+    "cycle_costs",
 )
 
 
@@ -107,7 +112,14 @@ def bench_family(family: str, path: str, args: argparse.Namespace) -> dict[str, 
     model, tokenizer, head, _ = load_with_heads(path)
     prompts = [Prompt("controlled", text, "fixed") for text in TEXTS]
     bench = ControlledBench(
-        model, tokenizer, head, family=family, max_tokens=args.tokens, repeats=args.reps, prompts=prompts
+        model,
+        tokenizer,
+        head,
+        family=family,
+        max_tokens=args.tokens,
+        repeats=args.reps,
+        prompts=prompts,
+        calibrate_each_repeat=args.calibrate_each_repeat and args.clock == "wall",
     )
     longest = args.tokens + args.k + 8  # the plain run covers every position a draft can reach
     scripts = [
@@ -302,6 +314,12 @@ def main() -> int:
         choices=["wall", "cpu"],
         default="wall",
         help="time the calibrated forwards on the wall clock or this process's CPU clock",
+    )
+    parser.add_argument(
+        "--calibrate-each-repeat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="price each repeat by a calibration taken just before it (wall clock; see the rules)",
     )
     parser.add_argument("--results", default=None, help="merge the figures into this JSON file")
     parser.add_argument(

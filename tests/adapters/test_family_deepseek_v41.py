@@ -247,6 +247,31 @@ def test_a_batch_of_it_is_refused_typed_before_any_row(model) -> None:
     assert "layer_cache" in err.value.message
 
 
+def test_mlx_lms_forward_cannot_hold_rows_at_different_positions(model) -> None:
+    """Why the batch is refused, measured: mlx-lm's DeepSeek-V4.1 forward takes no mask and
+    prices every row at `cache[0].offset` (one RoPE offset, one set of window indices, one
+    compressor grouping), so a shorter row left-padded beside a longer one is not its solo
+    run, while rows at one position are. There is no batched mlx-lm output to be identical
+    to (mlx-lm's server serves this family one request at a time: no `merge`). If mlx-lm
+    grows a mask or per-row offsets, this fails and the refusal is to be revisited."""
+    import inspect
+
+    assert list(inspect.signature(type(model).__call__).parameters) == ["self", "inputs", "cache"]
+    assert not hasattr(dsv41.LayerCache, "merge")
+    long_row, short_row = PROMPTS[0], PROMPTS[1]
+    padded = [0] * (len(long_row) - len(short_row)) + short_row
+
+    def last_logits(rows: list[list[int]]) -> mx.array:
+        return model(mx.array(rows), model.make_cache())[:, -1].astype(mx.float32)
+
+    solo_short, solo_long = last_logits([short_row])[0], last_logits([long_row])[0]
+    batch = last_logits([long_row, padded])
+    same_position = last_logits([long_row, long_row])
+    assert float(mx.max(mx.abs(same_position[1] - solo_long))) <= TOLERANCE
+    assert float(mx.max(mx.abs(batch[0] - solo_long))) <= TOLERANCE
+    assert float(mx.max(mx.abs(batch[1] - solo_short))) > 1e-2
+
+
 # -- the DSpark drafter on its make-tiny checkpoint ----------------------------------------
 DSPARK_PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
 DSPARK_N = 12

@@ -27,7 +27,10 @@ Rules of this module:
   ideal, each repeat against its own run's acceptance (single cells decode a different
   prompt per repeat), the median reported. Each batch size is calibrated at the context
   its cells' caches hold mid-run (a batch is left-padded to its longest prompt, plus
-  half the generated tokens).
+  half the generated tokens). With `calibrate_each_repeat` every repeat is priced by a
+  calibration taken just before it (`Cell.cycle_costs`), so the ideal and the ratio it
+  divides come from the same minutes of the machine: a single calibration's noise and
+  the drift between it and the cells no longer move every repeat alike.
   The per-cycle breakdown puts the calibrated verify and head times beside the
   engine's measured host times (graph build, dispatch, sync wait, rollback, caller's
   bookkeeping) and the host time no device work covered: cycle - (t_verify + k t_head).
@@ -135,6 +138,7 @@ class Bench:
         prompts: Sequence[Prompt] = (),
         progress: Callable[[int], None] | None = None,
         aa_control: bool = True,
+        calibrate_each_repeat: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -145,6 +149,7 @@ class Bench:
         self.repeats = repeats
         self.requests_per_slot = requests_per_slot
         self.aa_control = aa_control
+        self.calibrate_each_repeat = calibrate_each_repeat
         self.progress = progress or (lambda n: None)
         self.workload_prompts = list(prompts)
         self.prompts = [tokenizer.encode(p.text) for p in self.workload_prompts]
@@ -199,6 +204,24 @@ class Bench:
                 self.failures[k] = table
                 out[str(k)] = {"error": table.reason, "detail": str(table)}
         return out
+
+    def repeat_cost(self, k: int, batch_size: int) -> float | None:
+        """With `calibrate_each_repeat`: the cycle cost (t_verify + k t_head) / t_1 of a
+        calibration at this cell's size taken now; None when off or when it failed (the
+        repeat is then priced by the cell's table, and the failure is not hidden: the cell's
+        `cycle_costs` holds None there)."""
+        if not self.calibrate_each_repeat or k not in self.timings:
+            return None
+        table = calibrate(
+            self.model,
+            self.head,
+            batch_sizes=[batch_size],
+            k=k,
+            runs=9,
+            context=self.context(batch_size),
+            budget_s=DEFAULT_BUDGET_S,
+        )
+        return table.at(batch_size)[0].cycle_cost if isinstance(table, TimingTable) else None
 
     def _prompts(self, batch_size: int) -> list[list[int]]:
         return [self.prompts[i % len(self.prompts)] for i in range(batch_size)]
@@ -292,6 +315,7 @@ class Bench:
             return mtp(controller, cycle_clock)
 
         for r in range(self.repeats):
+            cell.cycle_costs.append(self.repeat_cost(k, batch_size))
             controller = self.auto_controller(k, batch_size)
             chooser = self.auto_controller(k, batch_size, depth="auto") if deepest and k > 1 else None
             runs: dict[str, Callable[[], Any]] = {
@@ -406,6 +430,7 @@ class Bench:
         depth_k = None
         for r in range(self.repeats):
             prompt = self.prompts[r % len(self.prompts)]
+            cell.cycle_costs.append(self.repeat_cost(k, 1))
             controller = self.auto_controller(k, 1)
             chooser = self.auto_controller(k, 1, depth="auto") if deepest and k > 1 else None
             runs: dict[str, Callable[[], Any]] = {
@@ -504,8 +529,11 @@ class Bench:
         if table is None or not cell.per_position_acceptance:
             return
         timings = table.at(cell.batch_size)[0]
-        cost = timings.cycle_cost
-        ideals = [expected_tokens_from_positions(r["per_position_acceptance"][: cell.k]) / cost for r in runs]
+        costs = [c or timings.cycle_cost for c in cell.cycle_costs] or [timings.cycle_cost] * len(runs)
+        ideals = [
+            expected_tokens_from_positions(r["per_position_acceptance"][: cell.k]) / cost
+            for r, cost in zip(runs, costs)
+        ]
         cell.ideal_ratio = _median(ideals)
         cell.efficiencies = [
             m / b / ideal for (b, m), ideal in zip(cell.samples, ideals) if b > 0 and ideal > 0

@@ -43,6 +43,9 @@ class Cell:
     ideal_ratio: float | None = None
     efficiency: float | None = None  # ratio / ideal_ratio
     efficiencies: list[float] = field(default_factory=list)  # per repeat (efficiency: their median)
+    # per repeat, with calibrate_each_repeat: the cycle cost its ideal used (None: that
+    # calibration failed and the cell's table priced it); empty otherwise
+    cycle_costs: list[float | None] = field(default_factory=list)
     batch_fill: float | None = None  # busy rows per verify forward / B (forced on; batch cells)
     breakdown_ms: dict[str, float] = field(default_factory=dict)  # per cycle
     # prompt-phase tokens/s, MTP (forced on) over mlx-lm, median: what the head's pass over
