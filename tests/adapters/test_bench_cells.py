@@ -100,6 +100,39 @@ def test_each_repeat_is_set_against_the_ideal_of_its_own_acceptance():
     assert math.isclose(cell.ideal_ratio, (2 / 1.75 + 1 / 1.75) / 2)
 
 
+def test_a_repeat_calibrated_just_before_it_is_priced_by_that_calibration():
+    """With `calibrate_each_repeat` each repeat's ideal uses the cycle cost measured just
+    before it; a repeat whose calibration failed (None) falls back to the cell's table,
+    visibly (its entry stays None)."""
+    bench = object.__new__(Bench)
+    bench.timings = {1: TimingTable.of(Timings(t_1=1.0, t_verify=1.5, t_head=0.25, k=1))}  # cost 1.75
+    every = Counters(cycles=10, proposed=10, accepted=10, position_proposed=[10], position_accepted=[10])
+    cell = Cell("single", 1, 1, 0.0)
+    cell.samples = [(100.0, 100.0), (100.0, 100.0), (100.0, 100.0)]
+    cell.cycle_costs = [2.0, None, 1.5]
+    bench._finish(cell, [every.summary()] * 3, CycleClock())
+    assert [round(e, 6) for e in cell.efficiencies] == [1.0, 0.875, 0.75]  # 1 / (2 / cost)
+    assert cell.cycle_costs == [2.0, None, 1.5]
+
+
+def test_each_repeat_calibrates_at_its_cells_size_when_asked(monkeypatch):
+    prompts = [Prompt("code", "def add(a, b):\n", "test")]
+    bench = Bench.open(resolve_model("stdlib-tiny"), max_tokens=4, repeats=3, prompts=prompts)
+    bench.timings[1] = TimingTable.of(Timings(t_1=1.0, t_verify=1.1, t_head=0.1, k=1, batch_size=1))
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(bench, "repeat_cost", lambda k, size: calls.append((k, size)) or 1.5)
+    bench.aa_control = False
+    bench.auto_controller = lambda *a, **kw: None
+    single, batch = bench.single_cell(1, 0.0), bench.batch_cell(2, 1, 0.0)
+    assert calls == [(1, 1)] * 3 + [(1, 2)] * 3
+    assert single.cycle_costs == batch.cycle_costs == [1.5] * 3
+    assert Bench.repeat_cost(bench, 1, 1) is None  # off unless asked: no calibration runs
+    bench.calibrate_each_repeat = True
+    assert Bench.repeat_cost(bench, 2, 1) is None  # k never calibrated: the cell has no ideal
+    measured = Bench.repeat_cost(bench, 1, 1)  # a real calibration (None: a loaded machine poisoned it)
+    assert measured is None or measured > 1.0  # a verify and a head step cost more than one forward
+
+
 def test_a_failed_calibration_runs_auto_disabled_as_generate_would():
     """The bench's auto side is the controller `generate --device-policy auto` builds: a
     calibration that failed (noise poisoned it) disables it, so its cells measure what a
