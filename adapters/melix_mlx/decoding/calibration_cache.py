@@ -3,7 +3,8 @@
 Rules of this module:
 - A calibration (melix_mlx.runtime.calibrate) times this machine's forwards; it depends on
   the model, its dtype, the mlx / mlx-lm / melix-fsm versions, the machine and the BLAS
-  library doing the matmuls, and on what was timed (batch size, depth, context). The key
+  library doing the matmuls, and on what was timed (batch size, depth, context, and the
+  forwards' inputs: `calibrate.FORWARDS`). The key
   is all of these; any change is a miss and the figures are measured again. The model
   is named by its resolved path and each weight and config file's name, size and mtime.
 - Only a measured `TimingTable` is stored on disk. A failed calibration is not: the next
@@ -38,6 +39,8 @@ import msgspec
 
 from melix_fsm.policy.cost_model import TimingTable
 from melix_fsm.policy.telemetry import loaded_blas, read_proc_maps
+
+from ..runtime.calibrate import FORWARDS
 
 CACHE_ENV = "MELIX_FSM_CALIBRATION_CACHE"
 LAYOUT = 1  # bump when the key or the stored record changes shape
@@ -134,6 +137,7 @@ def key_of(
     path = Path(model_path).resolve()
     return {
         "layout": LAYOUT,
+        "forwards": FORWARDS,  # what the timed forwards were fed (melix_mlx.runtime.calibrate)
         "model": str(path),
         "files": model_files(path) if path.is_dir() else [],
         "dtype": dtype,

@@ -2,8 +2,15 @@
 
 Rules of this module:
 - Each timed callable runs exactly one forward of the shape the decode loop runs at batch
-  size B (B identical rows): a 1-token decode step, a (k+1)-token verify, or one head
-  draft step (head call on one slot, then argmax). It forces its outputs with mx.eval
+  size B: a 1-token decode step, a (k+1)-token verify, or one head draft step (head call
+  on one slot, then argmax).
+- Its tokens are distinct ids, as text is, drawn from a fixed key (every run and every
+  rank times the same forwards): a MoE routes each token to its own experts, and one
+  repeated id in every row and position reads a fraction of the experts a real verify
+  reads (identical rows read the same experts). Measured with 64 experts, top 8: a
+  repeated id priced t_verify / t_1 at 2.12 (batch 1) and 1.08 (batch 4) where distinct
+  ids cost 2.38 and 1.57 (benchmarks/bench_calibration_ids.py). `FORWARDS` names this choice in the
+  calibration cache's key, so figures timed otherwise are not reused. It forces its outputs with mx.eval
   and puts the caches back where they were (KV trimmed, recurrent layers restored from a
   `rollback.CacheMark`), so every run sees the same cache length.
 - Caches are prefilled with a short prompt first (and the head's cache primed from its
@@ -39,11 +46,29 @@ from melix_fsm.policy.calibration import (
 from melix_fsm.policy.cost_model import Timings, TimingTable
 from melix_fsm.policy.errors import CalibrationError
 
+from ..loading.errors import UnsupportedModel
 from . import absorbed_mla, capture, layer_kv, rollback
-from .hidden import forward_with_hidden
+from .hidden import forward_with_hidden, main_parts
 
 Forward = Callable[[], None]
 PROMPT_LEN = 16
+FORWARDS = "distinct-ids"  # what the timed forwards are fed (the calibration cache's key)
+_IDS_SEED = 20261207
+_MAX_ID = 1 << 15  # below every real vocabulary's size, above any tiny test's
+
+
+def _vocab_size(model: nn.Module) -> int:
+    """How many ids the model embeds (its embedding table's rows); small ids otherwise."""
+    try:
+        return int(main_parts(model).embed_tokens.weight.shape[0])
+    except (UnsupportedModel, AttributeError):  # a stand-in model (tests) embeds what it is fed
+        return 2 + PROMPT_LEN
+
+
+def token_ids(model: nn.Module, shape: tuple[int, ...], salt: int) -> mx.array:
+    """Distinct-looking ids in [1, vocab) from a fixed key: the same on every call and rank."""
+    high = min(_vocab_size(model), _MAX_ID)
+    return mx.random.randint(1, high, shape, key=mx.random.key(_IDS_SEED + salt)).astype(mx.int32)
 
 
 def build_forwards(
@@ -62,16 +87,15 @@ def build_forwards(
     own to check that the lengths stay fixed).
     """
     B = batch_size
-    # Small ids only: every vocabulary has them, and the values do not change the cost.
-    prompt = mx.broadcast_to(mx.arange(1, prompt_len + 1)[None], (B, prompt_len))
+    prompt = token_ids(model, (B, prompt_len), 0)  # rows differ, as a batch's do
     cache = make_prompt_cache(model) if cache is None else cache
     _, hidden = forward_with_hidden(model, prompt, cache)
     layer_kv.adopt(cache, model)  # DeepSeek-V4.1's layer caches roll back in their spare form, as decoding's
     mx.eval(hidden, [c.state for c in rollback.leaves(cache)])
     start = rollback.mark(cache)
 
-    step_tokens = mx.ones((B, 1), dtype=mx.int32)
-    verify_tokens = mx.ones((B, k + 1), dtype=mx.int32)
+    step_tokens = token_ids(model, (B, 1), 1)
+    verify_tokens = token_ids(model, (B, k + 1), 2)
 
     def fn_1() -> None:
         logits, h = forward_with_hidden(model, step_tokens, cache)
