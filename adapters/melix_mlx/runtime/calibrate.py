@@ -3,16 +3,16 @@
 Rules of this module:
 - Each timed callable runs exactly one forward of the shape the decode loop runs at batch
   size B: a 1-token decode step, a (k+1)-token verify, or one head draft step (head call
-  on one slot, then argmax).
+  on one slot, then argmax). It forces its outputs with mx.eval and puts the caches back
+  where they were (KV trimmed, recurrent layers restored from a `rollback.CacheMark`), so
+  every run sees the same cache length.
 - Its tokens are distinct ids, as text is, drawn from a fixed key (every run and every
   rank times the same forwards): a MoE routes each token to its own experts, and one
   repeated id in every row and position reads a fraction of the experts a real verify
   reads (identical rows read the same experts). Measured with 64 experts, top 8: a
   repeated id priced t_verify / t_1 at 2.12 (batch 1) and 1.08 (batch 4) where distinct
-  ids cost 2.38 and 1.57 (benchmarks/bench_calibration_ids.py). `FORWARDS` names this choice in the
-  calibration cache's key, so figures timed otherwise are not reused. It forces its outputs with mx.eval
-  and puts the caches back where they were (KV trimmed, recurrent layers restored from a
-  `rollback.CacheMark`), so every run sees the same cache length.
+  ids cost 2.38 and 1.57 (benchmarks/bench_calibration_ids.py). `FORWARDS` names this
+  choice in the calibration cache's key, so figures timed otherwise are not reused.
 - Caches are prefilled with a short prompt first (and the head's cache primed from its
   (hidden, next token) pairs), so attention runs over a realistic, non-empty cache.
 - Calibrate before serving, never beside a running prefill: samples taken while another
