@@ -54,7 +54,7 @@ Forward = Callable[[], None]
 PROMPT_LEN = 16
 FORWARDS = "distinct-ids"  # what the timed forwards are fed (the calibration cache's key)
 _IDS_SEED = 20261207
-_MAX_ID = 1 << 15  # below every real vocabulary's size, above any tiny test's
+_MAX_ID = 1 << 15  # ids stay in the range every real vocabulary uses for text
 
 
 def _vocab_size(model: nn.Module) -> int:
