@@ -204,7 +204,8 @@ async def complete(state: ServeState, request: Request, chat: bool) -> Response:
         if parsed.stream:
             streaming = True
             return StreamingResponse(
-                stream_events(state, sub, asm, watcher), media_type="text/event-stream",
+                stream_events(state, sub, asm, watcher),
+                media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
         await drain_responses(sub, asm.feed)
@@ -243,8 +244,9 @@ async def message_events(
 async def messages(state: ServeState, request: Request) -> Response:
     """POST /v1/messages: the Anthropic Messages API over the same batch."""
     body = await read_json(request, state.limits.max_body_bytes, state.limits.body_timeout_s)
-    parsed, _ = parse_messages(body, limits=state.limits, vocab=state.vocab, names=state.names,
-                               defaults=state.defaults)
+    parsed, _ = parse_messages(
+        body, limits=state.limits, vocab=state.vocab, names=state.names, defaults=state.defaults
+    )
     sub, watcher, ctx = await accept(state, request, parsed)
     streaming = False
     try:
@@ -253,7 +255,8 @@ async def messages(state: ServeState, request: Request) -> Response:
         if parsed.stream:
             streaming = True
             return StreamingResponse(
-                message_events(state, sub, out, watcher), media_type="text/event-stream",
+                message_events(state, sub, out, watcher),
+                media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
         await drain_responses(sub, out.asm.feed)
@@ -314,8 +317,9 @@ def build_app(
     @app.get("/v1/models/{model_id:path}", tags=["openai"])
     async def model(model_id: str) -> dict[str, Any]:
         if model_id not in state.names:
-            raise ApiError(404, f"model {model_id[:100]!r} is not served here", param="model",
-                           code="model_not_found")
+            raise ApiError(
+                404, f"model {model_id[:100]!r} is not served here", param="model", code="model_not_found"
+            )
         return {"id": model_id, "object": "model", "created": state.created, "owned_by": "melix-fsm"}
 
     @app.get("/health")
@@ -327,16 +331,19 @@ def build_app(
     async def receipt() -> dict[str, Any]:
         served = state.served
         controller = served.controller
-        return scrub({
-            "model": state.names[0],
-            "method": served.method,
-            "settings": served.settings,
-            "num_draft_tokens": served.num_draft_tokens if served.method != "none" else 0,
-            "refusal": served.refusal,
-            "head_load_error": served.head_load_error,
-            "receipt": served.receipt,
-            "policy": controller.summary() if controller is not None else None,
-        }, receipt_names)
+        return scrub(
+            {
+                "model": state.names[0],
+                "method": served.method,
+                "settings": served.settings,
+                "num_draft_tokens": served.num_draft_tokens if served.method != "none" else 0,
+                "refusal": served.refusal,
+                "head_load_error": served.head_load_error,
+                "receipt": served.receipt,
+                "policy": controller.summary() if controller is not None else None,
+            },
+            receipt_names,
+        )
 
     @app.get("/metrics", tags=["melix"])
     async def metrics() -> Response:
@@ -345,7 +352,9 @@ def build_app(
     app.add_middleware(Guard, api_key=api_key)
     if allowed_origins:  # outermost: a preflight is answered before auth
         app.add_middleware(
-            CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
+            CORSMiddleware,
+            allow_origins=allowed_origins,
+            allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "Content-Type", *ANTHROPIC_HEADERS],
         )
     with contextlib.suppress(Exception):
