@@ -39,6 +39,10 @@ TURNS = [
     {"role": "assistant", "content": "    pass"},
     {"role": "user", "content": [{"type": "text", "text": "def parse("}, {"type": "text", "text": "text):"}]},
 ]
+IMAGE_BLOCK = {
+    "type": "image",
+    "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="},
+}
 pytestmark = pytest.mark.skipif(not (CKPT / "config.json").exists(), reason="no embedded checkpoint")
 
 
@@ -216,6 +220,47 @@ def test_count_tokens_is_the_prompt_the_request_runs(url: str) -> None:
     assert counted.input_tokens == message.usage.input_tokens + message.usage.cache_read_input_tokens > 0
 
 
+def test_image_blocks_become_image_parts_in_place() -> None:
+    from melix_mlx.serve.anthropic_wire import MessagesRequest, chat_messages, decode
+
+    url_image = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
+    body = {
+        "model": "m",
+        "max_tokens": 1,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "a"},
+                    {"type": "text", "text": "b"},
+                    IMAGE_BLOCK,
+                    {"type": "text", "text": "c"},
+                    url_image,
+                ],
+            },
+            {"role": "user", "content": [{"type": "text", "text": "no image"}]},
+        ],
+    }
+    with_images, text_only = chat_messages(None, decode(body, MessagesRequest).messages)
+    assert with_images["content"] == [
+        {"type": "text", "text": "ab"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + IMAGE_BLOCK["source"]["data"]}},
+        {"type": "text", "text": "c"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+    ]
+    assert text_only == {"role": "user", "content": "no image"}
+
+
+def test_an_image_to_this_text_only_server_is_refused_by_name(url: str) -> None:
+    body = {"model": "stdlib-tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [IMAGE_BLOCK]}]}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        status, _, payload = post_json(url, path, body, headers=AUTH)
+        assert status == 400, payload
+        assert_anthropic_error(payload, "invalid_request_error")
+        assert "takes no images" in payload["error"]["message"], payload
+    assert healthy(url)
+
+
 # -- cancellation --------------------------------------------------------------------------------
 def test_a_client_that_goes_away_frees_its_row(url: str) -> None:
     before = metric(url, "melix_requests_total{state=cancelled}", headers=AUTH)
@@ -254,6 +299,28 @@ def test_a_client_that_goes_away_frees_its_row(url: str) -> None:
                     "model": "stdlib-tiny",
                     "max_tokens": 4,
                     "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}],
+                }
+            ).encode(),
+            400,
+            "invalid_request_error",
+        ),
+        (  # a well-formed image to a text-only server (a --vision server reads it: test_vlm_serve)
+            json.dumps(
+                {
+                    "model": "stdlib-tiny",
+                    "max_tokens": 4,
+                    "messages": [{"role": "user", "content": [IMAGE_BLOCK, {"type": "text", "text": "a"}]}],
+                }
+            ).encode(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            json.dumps(
+                {
+                    "model": "stdlib-tiny",
+                    "max_tokens": 4,
+                    "messages": [{"role": "assistant", "content": [IMAGE_BLOCK]}],
                 }
             ).encode(),
             400,

@@ -109,6 +109,33 @@ def test_image_and_text_requests_batch_together(server):
     assert metric(server.url, "melix_batch_rows_peak") >= 2
 
 
+def test_an_anthropic_image_block_is_the_openai_image_part(server):
+    """/v1/messages with a base64 image block: the prompt the OpenAI route makes of the same
+    image as a data: URI (the same input tokens, the image's expanded in), the same greedy
+    answer; count_tokens counts the image's tokens too."""
+    anthropic = pytest.importorskip("anthropic")
+    payload = png_bytes(0)
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(payload).decode()}
+    content = [{"type": "image", "source": source}, {"type": "text", "text": TEXT_PROMPT}]
+    messages = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    message = messages.messages.create(
+        model="default_model", max_tokens=N, messages=[{"role": "user", "content": content}],
+        extra_body={"temperature": 0},
+    )  # fmt: skip
+    openai_answer = client(server.url).chat.completions.create(
+        model="default_model", messages=image_message(data_uri(payload)), max_tokens=N, temperature=0
+    )
+    assert message.content[0].text == openai_answer.choices[0].message.content
+    assert message.usage.input_tokens == openai_answer.usage.prompt_tokens
+    text_only = [{"role": "user", "content": TEXT_PROMPT}]
+    counted = messages.messages.count_tokens(
+        model="default_model", messages=[{"role": "user", "content": content}]
+    )
+    plain = messages.messages.count_tokens(model="default_model", messages=text_only)
+    assert counted.input_tokens == message.usage.input_tokens
+    assert counted.input_tokens > plain.input_tokens + 1  # the placeholder expanded to the image's tokens
+
+
 def _noise_png(side: int) -> bytes:
     out = io.BytesIO()
     pixels = (np.random.default_rng(7).random((side, side, 3)) * 255).astype(np.uint8)

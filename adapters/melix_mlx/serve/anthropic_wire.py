@@ -3,9 +3,14 @@
 Rules of this module:
 - The wire types are msgspec structs decoded from the JSON body (`msgspec.convert`):
   a field of the wrong type, a missing required field (`model`, `messages`,
-  `max_tokens`) or a content block this server cannot take (images, documents, server
-  tools) is a 400 naming where it is; unknown fields are ignored, as Anthropic's API
-  ignores what it does not use (`metadata`, `cache_control`).
+  `max_tokens`) or a content block this server cannot take (documents, server tools) is
+  a 400 naming where it is; unknown fields are ignored, as Anthropic's API ignores what
+  it does not use (`metadata`, `cache_control`).
+- A user's `image` blocks (a base64 `source` with its media type, or a `url` source)
+  become the OpenAI route's `image_url` parts, in place among its text, so one check
+  serves both APIs (melix_mlx.serve.images): a `--vision` server reads them, a text-only
+  one answers 400 `images_unsupported`, and the same byte, pixel and count bounds and the
+  same remote-url rule apply.
 - A request becomes the same `Parsed` the OpenAI chat route builds
   (melix_mlx.serve.protocol), so it runs in the same batch through the same chat
   template: `system` (a string or text blocks) is a system message; text blocks are
@@ -40,6 +45,19 @@ class TextBlock(Struct, tag="text", tag_field="type"):
     text: str
 
 
+class Base64Source(Struct, tag="base64", tag_field="type"):
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+class UrlSource(Struct, tag="url", tag_field="type"):
+    url: str
+
+
+class ImageBlock(Struct, tag="image", tag_field="type"):
+    source: Base64Source | UrlSource
+
+
 class ToolUseBlock(Struct, tag="tool_use", tag_field="type"):
     id: str
     name: str
@@ -61,7 +79,7 @@ class RedactedThinkingBlock(Struct, tag="redacted_thinking", tag_field="type"):
     data: str
 
 
-Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+Block = TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
 
 
 class Message(Struct):
@@ -132,6 +150,26 @@ def _text(blocks: str | list[TextBlock]) -> str:
     return blocks if isinstance(blocks, str) else "".join(b.text for b in blocks)
 
 
+def image_part(block: ImageBlock) -> dict[str, Any]:
+    """An image block as the OpenAI route's `image_url` part (a base64 source as a data: URI)."""
+    source = block.source
+    url = source.url if isinstance(source, UrlSource) else f"data:{source.media_type};base64,{source.data}"
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _user_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A user's text joined as one string; with images, the parts in order (text runs joined)."""
+    if not any(p["type"] == "image_url" for p in parts):
+        return "".join(p["text"] for p in parts)
+    out: list[dict[str, Any]] = []
+    for part in parts:
+        if part["type"] == "text" and out and out[-1]["type"] == "text":
+            out[-1] = {"type": "text", "text": out[-1]["text"] + part["text"]}
+        else:
+            out.append(part)
+    return out
+
+
 def chat_messages(system: str | list[TextBlock] | None, messages: list[Message]) -> list[dict[str, Any]]:
     """The conversation as chat-template messages (see the module rules)."""
     out: list[dict[str, Any]] = []
@@ -141,10 +179,13 @@ def chat_messages(system: str | list[TextBlock] | None, messages: list[Message])
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
-        text, reasoning, calls = [], [], []
+        text, reasoning, calls, parts = [], [], [], []
         for block in m.content:
             if isinstance(block, TextBlock):
                 text.append(block.text)
+                parts.append({"type": "text", "text": block.text})
+            elif isinstance(block, ImageBlock) and m.role == "user":
+                parts.append(image_part(block))
             elif isinstance(block, ThinkingBlock) and m.role == "assistant":
                 reasoning.append(block.thinking)
             elif isinstance(block, RedactedThinkingBlock) and m.role == "assistant":
@@ -171,8 +212,8 @@ def chat_messages(system: str | list[TextBlock] | None, messages: list[Message])
             if calls:
                 message["tool_calls"] = calls
             out.append(message)
-        elif text or not any(isinstance(b, ToolResultBlock) for b in m.content):
-            out.append({"role": "user", "content": "".join(text)})
+        elif parts or not any(isinstance(b, ToolResultBlock) for b in m.content):
+            out.append({"role": "user", "content": _user_content(parts)})
     return out
 
 

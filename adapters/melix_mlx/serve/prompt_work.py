@@ -67,13 +67,19 @@ class PromptRejected(MelixError, ValueError):
     """The tokenized prompt is empty or longer than the server's limit (a 400)."""
 
 
-def tokenize(generator: Any, tokenizer: Any, request: Any, args: Any) -> tuple:
-    """mlx-lm's tokenization of a request (its `_tokenize`), checked against the limit."""
-    from .images import tokenize as with_images  # image parts: mlx-vlm's processor
+def tokens(generator: Any, tokenizer: Any, request: Any, args: Any) -> tuple:
+    """mlx-lm's tokenization of a request (its `_tokenize`); image parts through mlx-vlm's
+    processor (melix_mlx.serve.images), refused typed where the model takes none."""
+    from .images import tokenize as with_images
 
-    out = with_images(generator, tokenizer, request, args) or ResponseGenerator._tokenize(
+    return with_images(generator, tokenizer, request, args) or ResponseGenerator._tokenize(
         generator, tokenizer, request, args
     )
+
+
+def tokenize(generator: Any, tokenizer: Any, request: Any, args: Any) -> tuple:
+    """`tokens`, checked against the server's prompt limit."""
+    out = tokens(generator, tokenizer, request, args)
     prompt, limit = out[0], getattr(request, "max_prompt_tokens", 0)
     if not len(prompt):
         raise PromptRejected("the prompt is empty after tokenization")

@@ -33,7 +33,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from mlx_lm.server import ResponseGenerator
 
 from melix_fsm.request import RequestEvent
 
@@ -46,7 +45,7 @@ from .jsonout import dumps
 from .limits import ServeLimits
 from .metrics import CONTENT_TYPE
 from .privacy import FINGERPRINT, redact, scrub
-from .prompt_work import Tokenizing, tokenize
+from .prompt_work import Tokenizing, tokenize, tokens
 from .protocol import Defaults, Parsed, parse
 from .schemas import chat_body, completion_body, count_tokens_body, messages_body
 from .session import Aborted, Submission, is_bad_input
@@ -169,7 +168,7 @@ async def accept(state: ServeState, request: Request, parsed: Parsed) -> tuple[S
 async def tokenized(state: ServeState, request: Any, args: Any, checked: bool = True) -> tuple:
     """The request's tokens, made on the tokenizer thread (melix_mlx.serve.prompt_work);
     a prompt the template or the limit refuses is a 400."""
-    fn = tokenize if checked else ResponseGenerator._tokenize  # unchecked: count_tokens
+    fn = tokenize if checked else tokens  # unchecked: count_tokens
     try:
         return await state.tokenizing.run(fn, state.generator, state.served.tokenizer, request, args)
     except ApiError:  # a refused image (melix_mlx.serve.images) keeps its status

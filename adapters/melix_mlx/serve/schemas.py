@@ -106,6 +106,34 @@ def chat_body(limits: ServeLimits, vocab: int) -> dict[str, Any]:
     return _body({"type": "object", "required": ["messages"], "properties": properties})
 
 
+# an Anthropic image block: a --vision server's (melix_mlx.serve.anthropic_wire)
+ANTHROPIC_IMAGE = {
+    "type": "object",
+    "required": ["type", "source"],
+    "properties": {
+        "type": {"enum": ["image"]},
+        "source": {
+            "oneOf": [
+                {
+                    "type": "object",
+                    "required": ["type", "media_type", "data"],
+                    "properties": {
+                        "type": {"enum": ["base64"]},
+                        "media_type": {"enum": ["image/jpeg", "image/png", "image/gif", "image/webp"]},
+                        "data": {"type": "string"},
+                    },
+                },
+                {
+                    "type": "object",
+                    "required": ["type", "url"],
+                    "properties": {"type": {"enum": ["url"]}, "url": {"type": "string"}},
+                },
+            ]
+        },
+    },
+}
+
+
 def _anthropic_conversation(limits: ServeLimits) -> dict[str, Any]:
     text = {
         "type": "object",
@@ -141,7 +169,7 @@ def _anthropic_conversation(limits: ServeLimits) -> dict[str, Any]:
             "content": {
                 "oneOf": [
                     {"type": "string"},
-                    {"type": "array", "items": {"oneOf": [text, tool_use, tool_result]}},
+                    {"type": "array", "items": {"oneOf": [text, ANTHROPIC_IMAGE, tool_use, tool_result]}},
                 ]
             },
         },
