@@ -275,6 +275,21 @@ async def count_tokens(state: ServeState, request: Request) -> dict[str, Any]:
     return {"input_tokens": len(prompt)}
 
 
+def receipt_body(state: ServeState) -> dict[str, Any]:
+    """GET /v1/melix/receipt: what the server runs and why (before the path is scrubbed)."""
+    served, controller = state.served, state.served.controller
+    return {
+        "model": state.names[0],
+        "method": served.method,
+        "settings": served.settings,
+        "num_draft_tokens": served.num_draft_tokens if served.method != "none" else 0,
+        "refusal": served.refusal,
+        "head_load_error": served.head_load_error,
+        "receipt": served.receipt,
+        "policy": controller.summary() if controller is not None else None,
+    }
+
+
 def build_app(
     state: ServeState, *, api_key: str | None = None, allowed_origins: list[str] | None = None
 ) -> FastAPI:
@@ -328,21 +343,7 @@ def build_app(
 
     @app.get("/v1/melix/receipt", tags=["melix"])
     async def receipt() -> dict[str, Any]:
-        served = state.served
-        controller = served.controller
-        return scrub(
-            {
-                "model": state.names[0],
-                "method": served.method,
-                "settings": served.settings,
-                "num_draft_tokens": served.num_draft_tokens if served.method != "none" else 0,
-                "refusal": served.refusal,
-                "head_load_error": served.head_load_error,
-                "receipt": served.receipt,
-                "policy": controller.summary() if controller is not None else None,
-            },
-            receipt_names,
-        )
+        return scrub(receipt_body(state), receipt_names)
 
     @app.get("/metrics", tags=["melix"])
     async def metrics() -> Response:
