@@ -157,8 +157,9 @@ def image_part(block: ImageBlock) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def _user_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
-    """A user's text joined as one string; with images, the parts in order (text runs joined)."""
+def _content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A message's text joined as one string; with images (a user's), the parts in order
+    (text runs joined)."""
     if not any(p["type"] == "image_url" for p in parts):
         return "".join(p["text"] for p in parts)
     out: list[dict[str, Any]] = []
@@ -179,10 +180,9 @@ def chat_messages(system: str | list[TextBlock] | None, messages: list[Message])
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
-        text, reasoning, calls, parts = [], [], [], []
+        reasoning, calls, parts = [], [], []  # parts: text, and a user's images, in order
         for block in m.content:
             if isinstance(block, TextBlock):
-                text.append(block.text)
                 parts.append({"type": "text", "text": block.text})
             elif isinstance(block, ImageBlock) and m.role == "user":
                 parts.append(image_part(block))
@@ -206,14 +206,14 @@ def chat_messages(system: str | list[TextBlock] | None, messages: list[Message])
                 kind = type(block).__name__.removesuffix("Block")
                 raise ApiError(400, f"a {m.role} message cannot hold a {kind} block", param="messages")
         if m.role == "assistant":
-            message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+            message: dict[str, Any] = {"role": "assistant", "content": _content(parts)}
             if reasoning:
                 message["reasoning_content"] = "".join(reasoning)
             if calls:
                 message["tool_calls"] = calls
             out.append(message)
         elif parts or not any(isinstance(b, ToolResultBlock) for b in m.content):
-            out.append({"role": "user", "content": _user_content(parts)})
+            out.append({"role": "user", "content": _content(parts)})
     return out
 
 
